@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 class InputError(ValueError):
@@ -76,27 +77,47 @@ def cmd_run(args) -> int:
 
 
 def cmd_parity(args) -> int:
-    """Until the comparator lands: both loops' short runs on one spec, and their curves side by side."""
+    """Both loops on one spec, side by side. Lockstep (default): one sampler's rollouts feed both loops, so any
+    difference comes from the two implementations; free: each loop samples its own completions.
+    (The toggle matrix, comparator and verdict build on this: see the parity issue.)"""
     spec = _load(args)
     check_inputs(spec)
-    from trl_runner.translate import translate
+    from trl_runner.translate import format_mapping, translate
 
-    translate(spec)
+    translation = translate(spec)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     from harness.summary import side_by_side
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 
+    print(f"spec {args.spec} ({spec.NAME}): {spec.STEPS} steps, mode {args.mode}")
+    print(format_mapping([r for r in translation.table if r["check"] != "other"]))
+    scratch_source = trl_source = None
+    if args.mode == "lockstep":
+        from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
+        from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+
+        ckpt = checkpoint_dir(spec)
+        tok = load_tokenizer(ckpt)
+        eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
+        scratch_source = RecordingSource(spec, eos, tok.pad_token_id, resolve_device(spec), out / ROLLOUTS_FILE)
     timings = {}
-    for side, fn in (("scratch", train_scratch), ("trl", train_trl)):
-        print(f"[{side}] {spec.STEPS} steps -> {out / side}", flush=True)
-        t0 = time.perf_counter()
-        fn(spec, out / side, progress=not args.quiet)
-        timings[side] = time.perf_counter() - t0
+    print(f"[scratch] {spec.STEPS} steps -> {out / 'scratch'}", flush=True)
+    t0 = time.perf_counter()
+    train_scratch(spec, out / "scratch", rollout_source=scratch_source, progress=not args.quiet)
+    timings["scratch"] = time.perf_counter() - t0
+    if scratch_source is not None:
+        trl_source = ReplaySource(scratch_source.records)
+    print(f"[trl] {spec.STEPS} steps -> {out / 'trl'}", flush=True)
+    t0 = time.perf_counter()
+    train_trl(spec, out / "trl", rollout_source=trl_source, progress=not args.quiet, lockstep=trl_source is not None)
+    timings["trl"] = time.perf_counter() - t0
     text = side_by_side(out / "scratch", out / "trl", timings)
-    (out / "summary.txt").write_text(text)
+    (out / "summary.txt").write_text(text + "\n")
+    print()
     print(text)
-    print(f"wrote {out / 'summary.txt'}")
+    print(f"\nwrote {out / 'summary.txt'}, {out / 'scratch' / 'metrics.jsonl'}, {out / 'trl' / 'metrics.jsonl'}")
     return 0
 
 
@@ -141,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa = sub.add_parser("parity", help="run both loops on one spec and show their metrics side by side")
     spec_args(pa, out_default="runs/parity")
     pa.add_argument("--steps", type=int, help="override STEPS")
+    pa.add_argument("--mode", choices=("lockstep", "free"), default="lockstep",
+                    help="lockstep: both loops get the same rollouts (default); free: each samples its own")
     pa.add_argument("--quiet", action="store_true", help="no progress bar")
     pa.set_defaults(func=cmd_parity)
 

@@ -89,6 +89,9 @@ def load_model(path: Path, dtype: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the harness shows its own progress; a weight-loading bar is noise
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device)
 

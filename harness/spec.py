@@ -236,9 +236,12 @@ def _build(cls, raw: dict, prefix: str):
         dotted = f"{prefix}{key}"
         if key not in known:
             hint = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-            allowed = ", ".join(k for k in known)
-            raise SpecError(dotted, "unknown key" + (f"; did you mean {prefix}{hint[0]}?" if hint else "")
-                            + f" Allowed here: {allowed}.")
+            msg = "unknown key" + (f"; did you mean {prefix}{hint[0]}?" if hint else ".")
+            top = {f.name for f in dataclasses.fields(Spec)}
+            top_hint = difflib.get_close_matches(key, list(top), n=1, cutoff=0.6) if prefix else []
+            if top_hint:  # keys written after a [table] header belong to that table in TOML
+                msg += (f" {top_hint[0]} is a top-level key: move it above the first [table] header.")
+            raise SpecError(dotted, msg + f" Allowed here: {', '.join(known)}.")
         tp = hints[key]
         if tp in _TABLES.values():
             if not isinstance(value, dict):

@@ -255,13 +255,15 @@ def _generation_metrics(completion_ids, truncated, rewards_per_func, rewards, re
 
 
 def _mismatch_metrics(m: dict) -> dict:
+    """Train-inference mismatch. TRL's `sampling/*` names only where TRL logs them (IS correction on)."""
     if not m:
         return {}
-    out = {"sampling/sampling_logp_difference/mean": m["mean_abs"],
-           "sampling/sampling_logp_difference/max": m["max_abs"],
+    out = {"mismatch/logp_diff/mean": m["mean_abs"], "mismatch/logp_diff/max": m["max_abs"],
            "mismatch/token_mult_prob_error": m["token_mult_prob_error"], "mismatch/k3_kl": m["k3_kl"]}
     if "is_min" in m:
-        out.update({"sampling/importance_sampling_ratio/min": m["is_min"],
+        out.update({"sampling/sampling_logp_difference/mean": m["mean_abs"],
+                    "sampling/sampling_logp_difference/max": m["max_abs"],
+                    "sampling/importance_sampling_ratio/min": m["is_min"],
                     "sampling/importance_sampling_ratio/mean": m["is_mean"],
                     "sampling/importance_sampling_ratio/max": m["is_max"],
                     "mismatch/is_ratio_raw/min": m["is_raw_min"], "mismatch/is_ratio_raw/mean": m["is_raw_mean"],

@@ -52,6 +52,7 @@ class Translation:
     overrides: dict  # the [trl] table as applied
     prompts_per_step: int  # what TRL will really take per optimizer step
     sequences_per_step: int
+    validated_with: dict = dataclasses.field(default_factory=dict)  # device fields swapped to check it here
 
     def config(self, output_dir: str | Path, **extra):
         from trl import GRPOConfig
@@ -128,8 +129,14 @@ def translate(spec, processes: int = 1) -> Translation:
     table = mapping_table(spec, final, overrides, processes)
     translation = Translation(kwargs=final, table=table, overrides=overrides,
                               prompts_per_step=seqs // final["num_generations"], sequences_per_step=seqs)
-    try:  # GRPOConfig's own checks (value types, batch divisibility, bf16 without a GPU), still before any model
-        translation.config("/tmp/grpo-parity-validate")
+    # GRPOConfig's own checks (value types, batch divisibility), still before any model. A GPU spec checked on a
+    # machine without one (the preflight runs anywhere) is built with use_cpu/bf16 swapped: the rest is checked.
+    import torch
+
+    stand_in = {} if spec.DEVICE == "cpu" or torch.cuda.is_available() else {"use_cpu": True, "bf16": False}
+    translation.validated_with = stand_in
+    try:
+        translation.config("/tmp/grpo-parity-validate", **stand_in)
     except (ValueError, TypeError) as e:
         bad = [k for k in overrides if k in str(e)]
         raise SpecError(f"trl.{bad[0]}" if bad else "trl", f"TRL {version} refuses the translated GRPOConfig: "

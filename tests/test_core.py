@@ -1,0 +1,192 @@
+"""Known-answer tests for scratch_grpo.core, each value computed by hand (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from scratch_grpo import core
+
+
+def close(a, b, tol=1e-6):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
+                               rtol=tol, atol=tol)
+
+
+# ---- advantages ---------------------------------------------------------------------------------------------
+def test_group_advantages_bessel_by_hand():
+    # group 1: [1, 0, 0, 1] mean 0.5, deviations +-0.5, sum of squares 1.0; Bessel std = sqrt(1/3) = 0.577350
+    # group 2: [2, 2, 2, 2] std 0 -> advantages 0
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv, sd = core.group_advantages(r, 4, scale="group", std="bessel", eps=1e-4)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    close(adv, [a, -a, -a, a, 0, 0, 0, 0])
+    close(sd[:4], [math.sqrt(1 / 3)] * 4)
+
+
+def test_group_advantages_population_differs():
+    # population std of [1, 0, 0, 1] = sqrt(1/4) = 0.5 -> A = 0.5 / 0.5001 = 0.9998
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv, _ = core.group_advantages(r, 4, std="population", eps=1e-4)
+    close(adv, [0.5 / 0.5001, -0.5 / 0.5001, -0.5 / 0.5001, 0.5 / 0.5001])
+    bessel, _ = core.group_advantages(r, 4, std="bessel", eps=1e-4)
+    assert not torch.allclose(adv, bessel)  # 0.9998 vs 0.8659: the estimator matters
+
+
+def test_group_advantages_batch_and_none():
+    # rewards [0, 2 | 4, 6]; group means 1, 5; batch Bessel std of [0,2,4,6]: mean 3, squares 9+1+1+9 = 20,
+    # 20/3 -> std 2.581989
+    r = torch.tensor([0.0, 2.0, 4.0, 6.0])
+    adv, _ = core.group_advantages(r, 2, scale="batch", eps=0.0)
+    s = math.sqrt(20 / 3)
+    close(adv, [-1 / s, 1 / s, -1 / s, 1 / s])
+    adv_none, sd = core.group_advantages(r, 2, scale="none")
+    close(adv_none, [-1, 1, -1, 1])
+    close(sd, [math.sqrt(2)] * 4)  # group std still reported: each group [a, a+2] has Bessel std sqrt(2)
+
+
+def test_group_advantages_nan_rewards_get_zero():
+    r = torch.tensor([1.0, float("nan"), 0.0, 1.0])
+    adv, _ = core.group_advantages(r, 4, eps=0.0)
+    # non-NaN [1, 0, 1]: mean 2/3, Bessel std sqrt(((1/3)^2*2 + (2/3)^2)/2) = sqrt(1/3)
+    s = math.sqrt(1 / 3)
+    close(adv, [(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s])
+
+
+# ---- log-probs, entropy, KL ---------------------------------------------------------------------------------
+def test_token_logprobs_uses_temperature():
+    # logits [0, ln 3] -> at T=1 probs [1/4, 3/4]; at T=2 logits [0, ln3 / 2] -> probs 1/(1+sqrt3), sqrt3/(1+sqrt3)
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    target = torch.tensor([[1]])
+    close(core.token_logprobs(logits, target, 1.0), [[math.log(0.75)]])
+    s3 = math.sqrt(3)
+    close(core.token_logprobs(logits, target, 2.0), [[math.log(s3 / (1 + s3))]])
+
+
+def test_token_entropy_uniform_and_peaked():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9]]])
+    # uniform over 4: ln 4; [1/4, 3/4]: -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335
+    close(core.token_entropy(logits), [[math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
+
+
+def test_kl_k3():
+    # d = ref - logp = ln 2 - 0 -> exp(d) - d - 1 = 2 - 0.693147 - 1 = 0.306853; zero when equal
+    close(core.kl_k3(torch.tensor([0.0, -1.0]), torch.tensor([math.log(2), -1.0])), [2 - math.log(2) - 1, 0.0])
+
+
+# ---- clipped surrogate --------------------------------------------------------------------------------------
+def test_clipped_surrogate_by_hand():
+    # token ratios rho = exp(logp - old) = [1.5, 0.5, 1.1]; eps_low 0.2, eps_high 0.28
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    old = torch.zeros(1, 3)
+    # A = +1: -min(rho, clip(rho, 0.8, 1.28)) = -[1.28, 0.5, 1.1]
+    loss, rho = core.clipped_surrogate(logp, old, torch.tensor([1.0]), 0.2, 0.28)
+    close(loss, [[-1.28, -0.5, -1.1]])
+    close(rho, [[1.5, 0.5, 1.1]])
+    # A = -1: -min(-rho, -clip) = max(rho, clip) = [1.5, 0.8, 1.1]
+    loss, _ = core.clipped_surrogate(logp, old, torch.tensor([-1.0]), 0.2, 0.28)
+    close(loss, [[1.5, 0.8, 1.1]])
+    # two-sided clipping (delta = 1.3) caps the unclipped ratio for A < 0: max(min(rho, 1.3), clip) = [1.3, .8, 1.1]
+    loss, _ = core.clipped_surrogate(logp, old, torch.tensor([-1.0]), 0.2, 0.28, delta=1.3)
+    close(loss, [[1.3, 0.8, 1.1]])
+
+
+# ---- aggregation ------------------------------------------------------------------------------------------
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+
+
+def test_aggregate_each_normalization_by_hand():
+    # sequence: means (1+2+3)/3 = 2 and 4/1 = 4 -> 3, / grad_accum 2 = 1.5
+    close(core.aggregate_loss(PER_TOKEN, MASK, "sequence", grad_accum=2), 1.5)
+    # token_local: (1+2+3+4)/4 tokens = 2.5, / 2 = 1.25
+    close(core.aggregate_loss(PER_TOKEN, MASK, "token_local", grad_accum=2), 1.25)
+    # constant: 10 / (2 sequences x 8 max tokens) = 0.625, / 2 = 0.3125
+    close(core.aggregate_loss(PER_TOKEN, MASK, "constant", grad_accum=2, max_tokens=8), 0.3125)
+    # token_global: 10 / 20 tokens in the whole step = 0.5 (no grad_accum division: the denominator spans it)
+    close(core.aggregate_loss(PER_TOKEN, MASK, "token_global", grad_accum=2, step_tokens=20), 0.5)
+
+
+def test_sequence_equals_token_local_when_lengths_are_equal():
+    per_token = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
+    mask = torch.ones(2, 2)
+    # sequence: (2 + 6)/2 = 4; token_local: 16/4 = 4
+    close(core.aggregate_loss(per_token, mask, "sequence", 1), 4.0)
+    close(core.aggregate_loss(per_token, mask, "token_local", 1), 4.0)
+    # and differ when lengths differ (PER_TOKEN above: 3.0 vs 2.5)
+    assert core.aggregate_loss(PER_TOKEN, MASK, "sequence", 1) != core.aggregate_loss(PER_TOKEN, MASK, "token_local", 1)
+
+
+def test_step_sums_match_over_micro_batches():
+    # token_global over two micro-batches sums to the token mean of the step: (10 + 6) / (4 + 2) tokens
+    mb2 = torch.tensor([[6.0, 0.0]])
+    m2 = torch.tensor([[1.0, 1.0]])
+    total = core.aggregate_loss(PER_TOKEN, MASK, "token_global", 2, step_tokens=6) + \
+        core.aggregate_loss(mb2, m2, "token_global", 2, step_tokens=6)
+    close(total, 16 / 6)
+
+
+def test_aggregate_rejects_unknown():
+    with pytest.raises(ValueError, match="unknown loss normalization"):
+        core.aggregate_loss(PER_TOKEN, MASK, "tokens", 1)
+
+
+# ---- importance sampling ------------------------------------------------------------------------------------
+def test_is_weights_four_modes_by_hand():
+    # per-token log differences trainer - sampler: [ln 2, ln 2, ln 0.1] on a mask [1, 1, 0] -> masked [ln2, ln2, 0]
+    t = torch.log(torch.tensor([[2.0, 2.0, 0.1]]))
+    s = torch.zeros(1, 3)
+    m = torch.tensor([[1.0, 1.0, 0.0]])
+    w, raw = core.is_weights(t, s, m, "token_truncate", None, 1.5)
+    close(raw, [[2.0, 2.0, 1.0]])
+    close(w, [[1.5, 1.5, 1.0]])  # clamped at 1.5
+    w, _ = core.is_weights(t, s, m, "token_mask", None, 1.5)
+    close(w, [[0.0, 0.0, 1.0]])  # 2 > 1.5 -> masked to 0
+    w, raw = core.is_weights(t, s, m, "sequence_truncate", None, 3.0)
+    close(raw, [[4.0]])  # product of ratios 2 x 2
+    close(w, [[3.0]])
+    w, _ = core.is_weights(t, s, m, "sequence_mask", None, 3.0)
+    close(w, [[0.0]])
+    w, _ = core.is_weights(t, s, m, "sequence_mask", 0.5, 5.0)
+    close(w, [[4.0]])  # inside [0.5, 5]: kept
+
+
+def test_is_weights_nan_sampler_logp_counts_as_one():
+    t = torch.zeros(1, 2)
+    s = torch.tensor([[float("nan"), 0.0]])
+    w, _ = core.is_weights(t, s, torch.ones(1, 2), "token_truncate", None, 3.0)
+    close(w, [[1.0, 1.0]])
+
+
+def test_mismatch_stats_by_hand():
+    t = torch.tensor([[0.0, 0.0]])
+    s = torch.tensor([[math.log(2), 0.0]])  # d = t - s = [-ln2, 0]
+    st = core.mismatch_stats(t, s, torch.ones(1, 2))
+    assert st["mean_abs"] == pytest.approx(math.log(2) / 2)
+    assert st["max_abs"] == pytest.approx(math.log(2))
+    assert st["token_mult_prob_error"] == pytest.approx((2 + 1) / 2)  # mean exp|d| = (e^ln2 + 1) / 2
+    assert st["k3_kl"] == pytest.approx((0.5 + math.log(2) - 1) / 2)  # exp(d) - d - 1 = 0.5 + ln2 - 1
+
+
+# ---- learning-rate schedule ---------------------------------------------------------------------------------
+def test_lr_schedules_by_hand():
+    # linear, 10 steps, no warmup: step k uses (10 - k)/10 -> 1.0, 0.9, ..., 0.1
+    assert [core.lr_multiplier(k, "linear", 10) for k in (0, 1, 9)] == pytest.approx([1.0, 0.9, 0.1])
+    # linear with 2 warmup steps over 10: 0, 0.5, then (10 - k)/8: k=2 -> 1.0, k=6 -> 0.5
+    assert [core.lr_multiplier(k, "linear", 10, 2) for k in (0, 1, 2, 6)] == pytest.approx([0.0, 0.5, 1.0, 0.5])
+    assert [core.lr_multiplier(k, "constant", 10, 2) for k in (0, 1, 2, 9)] == pytest.approx([0.0, 0.5, 1.0, 1.0])
+    with pytest.raises(ValueError):
+        core.lr_multiplier(0, "cosine", 10)
+
+
+def test_clip_stats_by_hand():
+    rho = torch.tensor([[0.5, 1.0, 1.5], [1.5, 1.5, 1.0]])
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    st = core.clip_stats(rho, adv, mask, 0.2, 0.2)
+    # low-clipped: seq 0 token 0 (0.5 < 0.8, A<0) -> 1 of 5 tokens; high: seq 1 tokens 0,1 (1.5 > 1.2, A>0) -> 2 of 5
+    assert st["clip_ratio/low_mean"] == pytest.approx(0.2)
+    assert st["clip_ratio/high_mean"] == pytest.approx(0.4)
+    assert st["clip_ratio/region_mean"] == pytest.approx(0.6)
+    assert st["clip_ratio/low_min"] == pytest.approx(0.0)  # per-seq low fractions 1/3 and 0
+    assert st["clip_ratio/high_max"] == pytest.approx(1.0)  # per-seq high fractions 0 and 2/2

@@ -1,0 +1,114 @@
+"""The offline default (determinism, TRL-compatible tokenizer) and the data loaders on small local files."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import small_spec
+from harness import data as D
+from harness import embedded as E
+from harness.models import checkpoint_dir, load_model, load_tokenizer
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    spec = small_spec()
+    tok = E.build_tokenizer(9, ["+"])
+    a = E.build_model(spec.model, tok).state_dict()
+    b = E.build_model(spec.model, tok).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = E.build_model(small_spec("model.init_seed=99").model, tok).state_dict()
+    assert not all(torch.equal(a[k], other[k]) for k in a)
+
+
+def test_building_the_model_does_not_move_the_global_rng():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    E.build_model(small_spec().model, E.build_tokenizer(9, ["+"]))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_cached_checkpoint_loads_back_identically():
+    spec = small_spec()
+    path = checkpoint_dir(spec)
+    assert (path / "model.safetensors").exists() and checkpoint_dir(spec) == path  # built once
+    loaded = load_model(path, "float32", "cpu").state_dict()
+    built = E.build_model(spec.model, E.build_tokenizer(9, ["+"])).state_dict()
+    assert all(torch.equal(loaded[k], built[k]) for k in built)
+
+
+def test_tokenizer_chat_template_and_roundtrip():
+    tok = load_tokenizer(checkpoint_dir(small_spec()))
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4 ?"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|> user What is 3 + 4 ?") and text.endswith("<|im_start|> assistant")
+    assert tok.unk_token_id not in ids
+    assert tok.decode(tok("#### 7 <|im_end|>")["input_ids"], skip_special_tokens=True) == "#### 7"
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>" and tok.padding_side == "left"
+
+
+def test_synthetic_rows_are_seeded_and_gsm8k_shaped():
+    a = E.synthetic_rows(50, 3, 9, ["+", "-", "*"])
+    assert a == E.synthetic_rows(50, 3, 9, ["+", "-", "*"])
+    assert a != E.synthetic_rows(50, 4, 9, ["+", "-", "*"])
+    for row in a:
+        q = row["question"].split()
+        x, op, y = int(q[2]), q[3], int(q[4])
+        expected = x + y if op == "+" else x - y if op == "-" else x * y
+        assert row["answer"].endswith(f"#### {expected}")
+
+
+def test_vocabulary_cap_is_a_clear_error():
+    with pytest.raises(ValueError, match="lower data.max_operand"):
+        E.vocabulary(999, ["*"])
+
+
+def test_jsonl_and_parquet_files(tmp_path):
+    import pandas as pd
+
+    rows = [{"question": "Q1?", "answer": "a\n#### 1,000"}, {"question": "Q2?", "answer": "#### -3"}]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pq = tmp_path / "d.parquet"
+    pd.DataFrame(rows).to_parquet(pq)
+    for path in (jl, pq):
+        spec = small_spec("data.source=\"file\"", f"data.path=\"{path}\"")
+        out = D.to_prompt_rows(D.load_rows(spec.data), "Answer with #### N.")
+        assert [r["answer"] for r in out] == ["1,000", "-3"]
+        assert out[0]["prompt"] == [{"role": "system", "content": "Answer with #### N."},
+                                    {"role": "user", "content": "Q1?"}]
+        assert [r["prompt_idx"] for r in out] == [0, 1]
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([], "empty"),
+    ([{"question": "Q?"}], "row 0: missing or empty `answer`"),
+    ([{"question": "Q?", "answer": "#### 1"}, {"answer": "#### 2"}], "row 1: missing or empty `question`"),
+    ([{"question": "Q?", "answer": "42"}], "row 0: `answer` has no `#### N`"),
+    (["just text"], "row 0: expected an object"),
+])
+def test_bad_rows_name_the_row(rows, words):
+    with pytest.raises(D.DataError, match=words.replace("`", ".").replace("?", ".")):
+        D.to_prompt_rows(rows)
+
+
+def test_bad_file_lines(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"question": "Q", "answer": "#### 1"}\n{not json\n')
+    with pytest.raises(D.DataError, match="bad.jsonl:2"):
+        D.read_file_rows(p)
+    (tmp_path / "x.csv").write_text("question,answer\n")
+    with pytest.raises(D.DataError, match="must end in .jsonl or .parquet"):
+        D.read_file_rows(tmp_path / "x.csv")
+
+
+def test_prompt_schedule_is_seeded_epochs_and_prefix_stable():
+    s = D.prompt_schedule(10, 6, 4, seed=1)
+    flat = [i for block in s for i in block]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # whole epochs
+    assert s == D.prompt_schedule(10, 6, 4, seed=1)
+    assert s != D.prompt_schedule(10, 6, 4, seed=2)
+    assert D.prompt_schedule(10, 12, 4, seed=1)[:6] == s  # a longer schedule starts with the shorter one
+    assert D.hash_prompt_ids([1, 2, 3]) != D.hash_prompt_ids([1, 3, 2])  # order matters

@@ -1,0 +1,103 @@
+"""Spec validation: bad input is refused before any model loads, naming the key and what is allowed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEFAULT_SPEC, LESSON_SPEC, ROOT, small_spec
+from harness.spec import SpecError, load_spec, parse_spec
+
+
+def test_shipped_specs_load():
+    default, lesson = load_spec(DEFAULT_SPEC), load_spec(LESSON_SPEC)
+    assert default.model.source == "embedded" and default.DEVICE == "cpu"
+    assert (lesson.GROUP_SIZE, lesson.PROMPTS_PER_STEP, lesson.GRAD_ACCUM, lesson.MAX_TOKENS) == (8, 8, 4, 512)
+    assert (lesson.LR, lesson.ADAM_BETA2, lesson.CLIP_LOW, lesson.CLIP_HIGH, lesson.BETA) == (1e-6, 0.98, 0.2, 0.28, 0.0)
+    assert lesson.sampler.kind == "vllm" and lesson.sampler.vllm_gpu_memory_utilization == 0.30
+    assert lesson.DTYPE == "bfloat16" and lesson.model.path == "./models/Qwen3-0.6B"
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("GROUP_SIZ=4", "GROUP_SIZ", "did you mean GROUP_SIZE"),
+    ("model.layer=2", "model.layer", "did you mean model.layers"),
+    ("STEPS=\"ten\"", "STEPS", "must be an integer"),
+    ("STEPS=true", "STEPS", "must be an integer"),
+    ("LR=-1.0", "LR", "must be > 0"),
+    ("TOP_P=1.5", "TOP_P", "must be <= 1"),
+    ("GROUP_SIZE=1", "GROUP_SIZE", ">= 2"),
+    ("LOSS_NORM=\"tokens\"", "LOSS_NORM", "must be one of"),
+    ("GRAD_ACCUM=3", "GRAD_ACCUM", "does not divide"),
+    ("rewards.functions=[\"correctness\", \"nope\"]", "rewards.functions[1]", "unknown reward"),
+    ("rewards.weights=[1.0]", "rewards.weights", "one weight per function"),
+    ("IS_CORRECTION=true", "IS_CORRECTION", "separate sampler"),
+    ("DTYPE=\"bfloat16\"", "DTYPE", "for GPUs"),
+    ("model.source=\"local\"", "model.path", "required"),
+    ("data.operations=[\"/\"]", "data.operations[0]", "must be one of"),
+    ("model=3", "model", "must be a table"),
+])
+def test_bad_values_name_the_key(override, key, words):
+    with pytest.raises(SpecError) as err:
+        load_spec(DEFAULT_SPEC, [override])
+    assert err.value.key == key
+    assert words in str(err.value)
+
+
+def test_every_field_is_documented():
+    import dataclasses
+
+    from harness.spec import Spec, _TABLES
+
+    for cls in (Spec, *_TABLES.values()):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_top_level_key_under_a_table_is_explained():
+    with pytest.raises(SpecError, match="CLIP_HIGH is a top-level key: move it above"):
+        parse_spec({"rewards": {"CLIP_HIGH": 0.3}})
+
+
+def test_parse_spec_roundtrip():
+    spec = small_spec("LOSS_NORM=\"token_global\"")
+    again = parse_spec(spec.to_dict())
+    assert again == spec
+
+
+def run_cli(*args, env_cache):
+    import os
+
+    env = {**os.environ, "GRPO_PARITY_CACHE": str(env_cache)}
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_cli_spec_error_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("CLIP_HIHG = 0.3\n" + DEFAULT_SPEC.read_text())
+    cache = tmp_path / "cache"
+    r = run_cli("run", "scratch", "--spec", str(bad), "--out", str(tmp_path / "out"), env_cache=cache)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CLIP_HIHG" in lines[0] and "CLIP_HIGH" in lines[0], r.stderr
+    assert not cache.exists(), "a bad spec must be refused before any model is built"
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_trl_field_missing_names_field_and_version(tmp_path):
+    import trl
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEFAULT_SPEC.read_text() + "\n[trl]\nmax_prompt_length = 256\n")
+    cache = tmp_path / "cache"
+    r = run_cli("run", "trl", "--spec", str(bad), "--out", str(tmp_path / "out"), env_cache=cache)
+    assert r.returncode == 2
+    assert "trl.max_prompt_length" in r.stderr and trl.__version__ in r.stderr and "MAX_PROMPT_TOKENS" in r.stderr
+    assert not cache.exists()
+
+
+def test_cli_help_lists_subcommands(tmp_path):
+    r = run_cli("--help", env_cache=tmp_path)
+    assert r.returncode == 0
+    for sub in ("run", "parity", "validate", "spec-help"):
+        assert sub in r.stdout
