@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 # Nothing here may reach a network: no hub downloads, no telemetry.
@@ -19,6 +20,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# deprecation notices between TRL and transformers (e.g. gradient vs activation checkpointing) are not the
+# user's to act on; the CLI keeps its output for the user's own run
+warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 class InputError(ValueError):

@@ -175,19 +175,34 @@ def peak_memory_bytes(device: str) -> int:
 
 
 class Progress:
-    """A one-line progress display (step, reward, ETA) on stderr; silent when disabled."""
+    """Progress of one loop: a tqdm bar on a terminal; elsewhere (CI, a log file) a plain line about every
+    10% of the steps, with the ETA. Silent when disabled."""
 
     def __init__(self, total: int, label: str, enabled: bool):
+        import sys
+
+        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
+        self.t0 = time.perf_counter()
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc=label, unit="step", dynamic_ncols=True)
 
     def update(self, row: dict) -> None:
+        self.done += 1
+        reward = row.get("reward")
         if self.bar is not None:
-            self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}", loss=f"{row['loss']:.4f}")
+            self.bar.set_postfix(reward=f"{reward:.3f}" if reward is not None else "-", loss=f"{row['loss']:.4g}")
             self.bar.update(1)
+        elif self.enabled and (self.done == self.total or self.done % max(1, self.total // 10) == 0):
+            import sys
+
+            elapsed = time.perf_counter() - self.t0
+            eta = elapsed / self.done * (self.total - self.done)
+            r = f"{reward:.3f}" if reward is not None else "-"
+            print(f"  {self.label}: step {self.done}/{self.total}  reward {r}  loss {row['loss']:.4g}  "
+                  f"elapsed {elapsed:.1f} s  eta {eta:.1f} s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
