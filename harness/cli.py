@@ -7,6 +7,7 @@ before any model loads.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -81,48 +82,73 @@ def cmd_run(args) -> int:
 
 
 def cmd_parity(args) -> int:
-    """Both loops on one spec, side by side. Lockstep (default): one sampler's rollouts feed both loops, so any
-    difference comes from the two implementations; free: each loop samples its own completions.
-    (The toggle matrix, comparator and verdict build on this: see the parity issue.)"""
+    """The toggle matrix: each cell runs both loops, compares them, and names the cause of a divergence."""
     spec = _load(args)
     check_inputs(spec)
-    from trl_runner.translate import format_mapping, translate
+    from harness.preflight import format_preflight, preflight
 
-    translation = translate(spec)
+    _tr, diffs, facts = preflight(spec)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from harness.summary import side_by_side
-    from scratch_grpo.train import train as train_scratch
-    from trl_runner.runner import train as train_trl
+    print(f"spec {args.spec} ({spec.NAME}): {spec.STEPS} steps per run, mode {args.mode}, matrix {args.matrix}")
+    if diffs and args.matrix != "none":
+        print(format_preflight(facts, diffs).split("\n\n")[-1])
+        print("the matrix toggles TRL against a matched spec: align these first, or use --matrix none")
+        return 2
+    if args.mode == "free":
+        from harness.freerun import run_free_matrix as run
+    else:
+        from harness.matrix import run_matrix as run
+    from harness.matrix import format_verdict
 
-    print(f"spec {args.spec} ({spec.NAME}): {spec.STEPS} steps, mode {args.mode}")
-    print(format_mapping([r for r in translation.table if r["check"] != "other"]))
-    scratch_source = trl_source = None
-    if args.mode == "lockstep":
-        from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
-        from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
-
-        ckpt = checkpoint_dir(spec)
-        tok = load_tokenizer(ckpt)
-        eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
-        scratch_source = RecordingSource(spec, eos, tok.pad_token_id, resolve_device(spec), out / ROLLOUTS_FILE)
-    timings = {}
-    print(f"[scratch] {spec.STEPS} steps -> {out / 'scratch'}", flush=True)
-    t0 = time.perf_counter()
-    train_scratch(spec, out / "scratch", rollout_source=scratch_source, progress=not args.quiet)
-    timings["scratch"] = time.perf_counter() - t0
-    if scratch_source is not None:
-        trl_source = ReplaySource(scratch_source.records)
-    print(f"[trl] {spec.STEPS} steps -> {out / 'trl'}", flush=True)
-    t0 = time.perf_counter()
-    train_trl(spec, out / "trl", rollout_source=trl_source, progress=not args.quiet, lockstep=trl_source is not None)
-    timings["trl"] = time.perf_counter() - t0
-    text = side_by_side(out / "scratch", out / "trl", timings)
+    doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print)
+    text = format_verdict(doc)
     (out / "summary.txt").write_text(text + "\n")
     print()
     print(text)
-    print(f"\nwrote {out / 'summary.txt'}, {out / 'scratch' / 'metrics.jsonl'}, {out / 'trl' / 'metrics.jsonl'}")
-    return 0
+    from reports.render import write_parity_report
+
+    report = write_parity_report(out)
+    print(f"\nwrote {out / 'verdict.json'}, {out / 'summary.txt'}")
+    print(f"report: {report}")
+    return 0 if doc["ok"] else 1
+
+
+def cmd_preflight(args) -> int:
+    spec = _load(args)
+    check_inputs(spec)
+    from harness.data import load_rows
+    from harness.preflight import format_preflight, preflight
+    from trl_runner.translate import format_mapping
+
+    tr, diffs, facts = preflight(spec, n_rows=len(load_rows(spec.data)) if spec.data.source != "gsm8k" else None)
+    print(format_mapping(tr.table))
+    print()
+    print(format_preflight(facts, diffs))
+    if tr.validated_with:
+        print(f"\n(GRPOConfig checked here with {tr.validated_with}: this machine has no GPU)")
+    return 1 if diffs else 0
+
+
+def cmd_compare(args) -> int:
+    from harness.compare import CompareInputError, compare_runs, format_comparison
+
+    try:
+        result = compare_runs(args.run_a, args.run_b, mode=args.mode, dtype=args.dtype,
+                              tolerance_file=args.tolerances)
+    except CompareInputError as e:
+        raise InputError(str(e)) from None
+    text = format_comparison(result, (Path(args.run_a).name or "A", Path(args.run_b).name or "B"), top=0)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "comparison.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "comparison.txt").write_text(text + "\n")
+        from reports.render import write_compare_report
+
+        print(f"wrote {out / 'comparison.json'}; report: {write_compare_report(out, result)}")
+    return 0 if result["first_divergence"] is None else 1
 
 
 def cmd_spec_help(args) -> int:
@@ -163,13 +189,32 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
 
-    pa = sub.add_parser("parity", help="run both loops on one spec and show their metrics side by side")
+    pa = sub.add_parser("parity", help="run the toggle matrix (both loops per cell), compare, name causes")
     spec_args(pa, out_default="runs/parity")
     pa.add_argument("--steps", type=int, help="override STEPS")
     pa.add_argument("--mode", choices=("lockstep", "free"), default="lockstep",
-                    help="lockstep: both loops get the same rollouts (default); free: each samples its own")
-    pa.add_argument("--quiet", action="store_true", help="no progress bar")
+                    help="lockstep: both loops get the same rollouts (default); free: each samples its own, "
+                         "several seeds per side")
+    pa.add_argument("--matrix", choices=("none", "default", "full"), default="default",
+                    help="none: the spec as given, one cell; default: each check toggled alone plus matched pairs; "
+                         "full: batch x loss_type x IS")
+    pa.add_argument("--quiet", action="store_true", help="no per-step progress")
+    pa.add_argument("--verbose", action="store_true", help="per-step progress inside each cell")
     pa.set_defaults(func=cmd_parity)
+
+    pf = sub.add_parser("preflight", help="what differs between the two sides, before any model loads "
+                                          "(exit 0 aligned, 1 differences, 2 bad spec)")
+    spec_args(pf, out_default=False)
+    pf.set_defaults(func=cmd_preflight)
+
+    c = sub.add_parser("compare", help="compare two metric logs (harness runs or a TRL trainer_state.json)")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+    c.add_argument("--out", help="write comparison.json and a report here")
+    c.add_argument("--mode", choices=("lockstep", "free"), default="lockstep")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), help="tolerances for this dtype (default: A's spec)")
+    c.add_argument("--tolerances", help="tolerance file (default: harness/tolerances.toml)")
+    c.set_defaults(func=cmd_compare)
 
     v = sub.add_parser("validate", help="check a spec, its data and its TRL translation without loading a model")
     spec_args(v, out_default=False)

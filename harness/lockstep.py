@@ -20,44 +20,68 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 
 
 class RecordingSource:
+    """Samples each round from the policy it is handed (seeded per round), records it, returns it.
+
+    With `sampler.kind = "emulated"` the draw comes from the emulated sampler synced to that policy,
+    and the sampler's log-probs travel with the completions (what an IS correction needs)."""
+
     def __init__(self, spec, eos_ids: list[int], pad_id: int, device: str, path: str | Path | None = None):
         self.spec, self.eos_ids, self.pad_id, self.device = spec, eos_ids, pad_id, device
         self.records: list[dict] = []
+        self.sampler = None
         self.path = Path(path) if path else None
         if self.path:
             self.path.write_text("")
 
-    def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy):
+    def sample(self, round_idx: int, prompt_ids: list[list[int]], policy):
         spec = self.spec
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.device.startswith("cuda") else []):
             torch.manual_seed(spec.SEED * 7_368_787 + round_idx)
+            if spec.sampler.kind == "emulated":
+                from harness.sampler import EmulatedSampler
+
+                if self.sampler is None:
+                    self.sampler = EmulatedSampler(spec, policy, self.eos_ids, self.pad_id, self.device)
+                self.sampler.sync_weights(policy)
+                return self.sampler.generate(prompt_ids)
             completions = generate_completions(
                 policy, prompt_ids, eos_ids=self.eos_ids, pad_id=self.pad_id, max_tokens=spec.MAX_TOKENS,
                 temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=self.device,
                 dtype=spec.DTYPE)
-        record = {"round": round_idx, "prompt_ids": prompt_ids, "completion_ids": completions}
+            return completions, None
+
+    def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy):
+        completions, logps = self.sample(round_idx, prompt_ids, policy)
+        record = {"round": round_idx, "prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logps}
         self.records.append(record)
         if self.path:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
-        return completions, None
+        return completions, logps
 
 
 class ReplaySource:
-    """Hands out recorded rollouts round by round; refuses prompts that differ from the recording."""
+    """Hands out recorded rollouts round by round.
 
-    def __init__(self, records: list[dict]):
+    When the other side asks for prompts the recording does not have (its batch semantics differ),
+    lockstep cannot hold: with a `fallback` (a RecordingSource) it samples those from the asking
+    side's own policy and notes the round in `broken_rounds`; without one it refuses."""
+
+    def __init__(self, records: list[dict], fallback: RecordingSource | None = None):
         self.records = records
+        self.fallback = fallback
+        self.broken_rounds: list[int] = []
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ReplaySource":
         return cls([json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()])
 
     def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy):
-        if round_idx >= len(self.records):
-            raise RuntimeError(f"lockstep: round {round_idx} was not recorded ({len(self.records)} rounds exist)")
-        rec = self.records[round_idx]
-        if [list(p) for p in prompt_ids] != rec["prompt_ids"]:
-            raise RuntimeError(f"lockstep: round {round_idx} asks for other prompts than the recording: the two "
-                               "sides' prompt schedules differ (batch semantics?)")
-        return rec["completion_ids"], None
+        rec = self.records[round_idx] if round_idx < len(self.records) else None
+        if rec is None or [list(p) for p in prompt_ids] != rec["prompt_ids"]:
+            if self.fallback is None:
+                raise RuntimeError(f"lockstep: round {round_idx} asks for prompts the recording does not have: the "
+                                   "two sides' prompt schedules differ (batch semantics?)")
+            self.broken_rounds.append(round_idx)
+            return self.fallback.sample(round_idx, prompt_ids, policy)
+        return rec["completion_ids"], rec.get("logprobs")

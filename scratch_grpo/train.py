@@ -41,6 +41,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     parity): `rollout_source(round_idx, prompt_ids, policy) -> (completion_ids, sampler_logps or None)`.
     """
     from harness.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
+    from harness.params import ParamSketch
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
     from harness.runlog import Progress, RunWriter, peak_memory_bytes
 
@@ -90,6 +91,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     extra = {"checkpoint": str(ckpt), "sampler": sampler.describe() if sampler else spec.sampler.kind,
              "rollouts": "external (lockstep)" if rollout_source else "own"}
     writer = RunWriter(out_dir, "scratch", spec, device, extra)
+    sketch = ParamSketch(model, writer.dir, seed=spec.SEED)  # the weights after each step, for lockstep parity
     bar = Progress(spec.STEPS, "scratch", progress)
     step, tokens_seen, prompts_seen = 0, 0, 0
     with writer:
@@ -204,6 +206,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                sketch.record(model)
 
                 # ---- 6. log this optimizer step ------------------------------------------------------------
                 row = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": lr_now}

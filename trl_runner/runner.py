@@ -73,12 +73,17 @@ class MetricLogCallback(TrainerCallback):
         self.writer, self.n_rows, self.device = writer, n_rows, device
         self.bar = Progress(writer.manifest["spec"]["STEPS"], "trl", progress)
         self.trainer = None
+        self.sketch = None
         self.prompts_seen = 0
         self.seen_generations = 0
         self.t0 = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.bar.close()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.sketch is not None:
+            self.sketch.record(model if model is not None else self.trainer.model)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.device.startswith("cuda") and state.global_step == 0:
@@ -135,6 +140,13 @@ class TRLSamplerAdapter:
         return prompts, completions, [[[lp] for lp in seq] for seq in logps], None
 
 
+class _NoSync:
+    """Lockstep with an emulated sampler: the rollouts come from outside, there are no weights to push."""
+
+    def sync_weights(self):
+        pass
+
+
 def make_rollout_func(rollout_source, tokenizer, max_prompt_tokens: int):
     """TRL's rollout_func from a harness rollout source (lockstep): one call per generation round."""
     from scratch_grpo.sampling import encode_prompts
@@ -157,6 +169,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
 
     from harness.data import load_rows, prompt_schedule, to_prompt_rows
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+    from harness.params import ParamSketch
     from harness.runlog import RunWriter
     from scratch_grpo.rewards import REWARDS
     from trl_runner.translate import translate, write_mapping
@@ -195,15 +208,18 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
             rollout_func=make_rollout_func(rollout_source, tokenizer, spec.MAX_PROMPT_TOKENS) if rollout_source else None,
             max_prompt_tokens=spec.MAX_PROMPT_TOKENS, lockstep_seed=spec.SEED if lockstep else None,
         )
-        if sampler is not None:  # TRL's vLLM code paths, with the emulated sampler where vLLM would be
+        if spec.sampler.kind == "emulated":
+            # TRL's vLLM code paths (its IS correction included), with the emulated sampler where vLLM would be;
+            # in lockstep the shared rollouts arrive through rollout_func with the sampler's log-probs
             trainer.use_vllm = True
-            trainer.vllm_generation = TRLSamplerAdapter(sampler, trainer)
+            trainer.vllm_generation = TRLSamplerAdapter(sampler, trainer) if sampler else _NoSync()
             trainer._last_loaded_step = -1
         # TRL's printers would echo every log dict; the metric log and our own progress line replace them
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
         callback = MetricLogCallback(writer, len(rows), device, progress)
         callback.trainer = trainer
+        callback.sketch = ParamSketch(model, writer.dir, seed=spec.SEED)
         trainer.add_callback(callback)
         trainer.train()
     return writer.dir

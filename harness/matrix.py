@@ -1,0 +1,315 @@
+"""The toggle matrix, cell by cell: run both loops, compare, and name the cause of a divergence.
+
+Cells vary the lesson's three checks on the TRL side against a matched base spec:
+batch semantics {matched, naive} x TRL `loss_type` {grpo, bnpo, dr_grpo, dapo} x IS correction
+{off, each mode}. A cell is expected at parity when TRL is set up as the scratch loop is, and to
+diverge otherwise. For a diverged cell, attribution walks the preflight's differences in the
+lesson's order (batch, loss_type, importance_sampling, then any other field), re-runs the cell
+with only that difference aligned, and calls the cause confirmed when the divergence disappears;
+otherwise it stays a suspicion.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+
+from harness.compare import compare_runs
+from harness.preflight import CHECK_ORDER, alignment_for, apply_alignment, preflight
+from harness.spec import parse_spec
+from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
+
+IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+EMULATED_NOISE = 0.02  # the IS cells' emulated sampler: weights + 2% noise (a stated, controlled mismatch)
+MAX_CONFIRMATIONS = 3
+_SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
+_CLIP_ONLY = ("clipping binds only where the policy ratio leaves 1: NUM_ITERATIONS > 1, or an IS sampler; with one "
+              "pass per generation the ratio is exactly 1")
+NO_EFFECT_WHY = {"other:top_k": _SAMPLING_ONLY, "other:top_p": _SAMPLING_ONLY, "other:min_p": _SAMPLING_ONLY,
+                 "other:repetition_penalty": _SAMPLING_ONLY, "other:epsilon_high": _CLIP_ONLY,
+                 "other:epsilon": _CLIP_ONLY, "other:delta": _CLIP_ONLY}
+
+
+@dataclasses.dataclass
+class Cell:
+    name: str
+    toggles: dict
+    spec: object
+    expected: str  # "parity" | "diverged"
+    expected_cause: str | None = None
+
+
+def _variant(base, **changes):
+    """A copy of the base spec with top-level keys, dotted table keys, and `trl` entries changed."""
+    raw = copy.deepcopy(base.to_dict())
+    for key, value in changes.items():
+        if key == "trl":
+            raw["trl"].update(value)
+            continue
+        node, parts = raw, key.split("__")
+        for p in parts[:-1]:
+            node = node[p]
+        node[parts[-1]] = value
+    return parse_spec(raw)
+
+
+def _is_sampler(base):
+    if base.sampler.kind == "policy":
+        return {"sampler__kind": "emulated", "sampler__noise_scale": EMULATED_NOISE}
+    return {}
+
+
+def build_cells(base, matrix: str) -> list[Cell]:
+    """`none`: the spec as given; `default`: each check toggled alone, plus matched pairs; `full`: the product."""
+    if matrix == "none":
+        _tr, diffs, _facts = preflight(base)
+        return [Cell("as-given", {}, base, "diverged" if diffs else "parity",
+                     diffs[0].check if diffs else None)]
+    base_lt = LOSS_TYPES[base.LOSS_NORM]
+    other_lts = [lt for lt in LOSS_TYPES.values() if lt != base_lt]
+    toggles0 = {"batch": "matched", "loss_type": base_lt, "is": "off"}
+    cells = [Cell("matched", toggles0, base, "parity")]
+    if matrix == "default":
+        cells.append(Cell("batch=naive", {**toggles0, "batch": "naive"}, _variant(base, BATCH_MAPPING="naive"),
+                          "diverged", "batch"))
+        for lt in other_lts:
+            cells.append(Cell(f"loss_type={lt}", {**toggles0, "loss_type": lt},
+                              _variant(base, trl={"loss_type": lt}), "diverged", "loss_type"))
+        mode = IS_MODES[0]  # TRL's default mode
+        cells.append(Cell(f"is={mode}", {**toggles0, "is": mode},
+                          _variant(base, **_is_sampler(base), trl={"vllm_importance_sampling_correction": True,
+                                                                  "vllm_importance_sampling_mode": mode}),
+                          "diverged", "importance_sampling"))
+        # matched pairs: the scratch loop set up like each TRL choice must agree with it
+        for lt in other_lts:
+            cells.append(Cell(f"matched:loss_type={lt}", {**toggles0, "loss_type": lt, "scratch": NORM_OF_LOSS_TYPE[lt]},
+                              _variant(base, LOSS_NORM=NORM_OF_LOSS_TYPE[lt]), "parity"))
+        cells.append(Cell(f"matched:is={mode}", {**toggles0, "is": mode, "scratch_is": mode},
+                          _variant(base, **_is_sampler(base), IS_CORRECTION=True, IS_MODE=mode), "parity"))
+        return cells
+    cells = []
+    for batch in ("matched", "naive"):
+        for lt in LOSS_TYPES.values():
+            for is_mode in ("off", *IS_MODES):
+                changes = {}
+                if batch == "naive":
+                    changes["BATCH_MAPPING"] = "naive"
+                trl = {}
+                if lt != base_lt:
+                    trl["loss_type"] = lt
+                if is_mode != "off":
+                    changes.update(_is_sampler(base))
+                    trl.update(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=is_mode)
+                if trl:
+                    changes["trl"] = trl
+                name = "matched" if not changes else ",".join(
+                    p for p in (f"batch={batch}" if batch != "matched" else "", f"loss_type={lt}" if lt != base_lt
+                                else "", f"is={is_mode}" if is_mode != "off" else "") if p)
+                expected_cause = next((c for c, on in (("batch", batch != "matched"), ("loss_type", lt != base_lt),
+                                                       ("importance_sampling", is_mode != "off")) if on), None)
+                cells.append(Cell(name, {"batch": batch, "loss_type": lt, "is": is_mode},
+                                  _variant(base, **changes) if changes else base,
+                                  "diverged" if expected_cause else "parity", expected_cause))
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------
+# running one pair
+# ---------------------------------------------------------------------------------------------
+def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False) -> dict:
+    """Both loops on `spec` into out_dir/{scratch,trl}; returns the comparison."""
+    from scratch_grpo.train import train as train_scratch
+    from trl_runner.runner import train as train_trl
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if mode != "lockstep":
+        raise ValueError("run_pair runs lockstep pairs; free runs go through harness.freerun")
+    from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
+    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+
+    ckpt = checkpoint_dir(spec)
+    tok = load_tokenizer(ckpt)
+    device = resolve_device(spec)
+    eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
+    source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
+    train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
+    replay = ReplaySource(source.records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
+    train_trl(spec, out_dir / "trl", rollout_source=replay, progress=progress, lockstep=True)
+    result = compare_runs(out_dir / "scratch", out_dir / "trl", mode="lockstep", dtype=spec.DTYPE)
+    if replay.broken_rounds:
+        result["notes"].append(f"lockstep broke at {len(replay.broken_rounds)} round(s) (first: round "
+                               f"{replay.broken_rounds[0] + 1}): TRL asked for prompts the scratch loop did not use, "
+                               "so it sampled them from its own weights")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# attribution
+# ---------------------------------------------------------------------------------------------
+def _evidence(check: str, result: dict) -> str | None:
+    """What in the curves points at a check (used to word suspicions; confirmation decides)."""
+    m = result["metrics"]
+    outside = set(result["outside"])
+    fd = result["first_divergence"] or {}
+    if check == "batch":
+        hit = [k for k in ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "epoch") if k in outside]
+        return f"{', '.join(hit)} differ from step {min(m[k]['first_outside'] for k in hit)}" if hit else None
+    if check == "loss_type":
+        if fd and fd.get("metric") in ("loss", "grad_norm", "param_rel_l2") and "reward" not in outside:
+            return f"{fd['metric']} parts at step {fd['step']} while the rewards agree"
+        return None
+    if check == "importance_sampling":
+        one_sided = [k for k in result["only_in_a"] + result["only_in_b"] if k.startswith("sampling/")]
+        if one_sided:
+            return f"IS ratio statistics on one side only ({one_sided[0]}, ...)"
+        hit = [k for k in outside if k.startswith("sampling/")]
+        return f"IS ratio statistics differ ({hit[0]})" if hit else None
+    return None
+
+
+def attribute(cell: Cell, result: dict, cell_dir: Path, mode: str, progress: bool, log) -> list[dict]:
+    """Name the cause of a divergence and confirm it by re-running with only that difference aligned."""
+    _tr, diffs, _facts = preflight(cell.spec)
+    checks = []
+    for d in diffs:
+        if d.check not in checks:
+            checks.append(d.check)
+    rank = {c: i for i, c in enumerate(CHECK_ORDER)}
+    checks.sort(key=lambda c: rank.get(c, len(rank)))
+    diverged = result["first_divergence"] is not None
+    out = []
+    if not diverged:
+        return [{"cause": c, "status": "no measured effect", "fields": sorted({f for d in diffs if d.check == c
+                                                                              for f in d.fields}),
+                 "evidence": NO_EFFECT_WHY.get(c, "the preflight lists it, but the runs agree within tolerance")}
+                for c in checks]
+    confirmations = 0
+    for check in checks:
+        entry = {"cause": check, "fields": sorted({f for d in diffs if d.check == check for f in d.fields}),
+                 "evidence": _evidence(check, result)}
+        if confirmations < MAX_CONFIRMATIONS and not any(e["status"] == "confirmed" for e in out):
+            confirmations += 1
+            aligned = apply_alignment(cell.spec, alignment_for(diffs, check))
+            log(f"    confirming {check}: re-run with only it aligned")
+            try:
+                again = run_pair(aligned, cell_dir / f"confirm-{check.replace(':', '-')}", mode, progress)
+                entry["rerun_first_divergence"] = again["first_divergence"]
+                entry["status"] = "confirmed" if again["first_divergence"] is None else "suspected"
+            except Exception as e:  # a failing confirmation must not sink the cell
+                entry["status"] = "suspected"
+                entry["rerun_error"] = f"{type(e).__name__}: {e}"
+        else:
+            entry["status"] = "suspected"
+        out.append(entry)
+    if not out:
+        out.append({"cause": "unexplained", "status": "suspected", "fields": [],
+                    "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"})
+    out.sort(key=lambda e: e["status"] != "confirmed")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the matrix
+# ---------------------------------------------------------------------------------------------
+def _summary_metrics(result: dict) -> dict:
+    keep = {}
+    for name, m in result["metrics"].items():
+        keep[name] = {"max_abs": m["max_abs"], "max_rel": m["max_rel"], "mean_delta": m["mean_delta"],
+                      "first_outside": m["first_outside"]}
+    return keep
+
+
+def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
+               log=print, only: list[str] | None = None) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = build_cells(base, matrix)
+    if only:
+        cells = [c for c in cells if c.name in only]
+    verdicts = []
+    t_start = time.perf_counter()
+    for i, cell in enumerate(cells, 1):
+        elapsed = time.perf_counter() - t_start
+        eta = f", eta {elapsed / (i - 1) * (len(cells) - i + 1):.0f} s" if i > 1 else ""
+        log(f"[cell {i}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
+        cell_dir = out_dir / _dirname(cell.name)
+        t0 = time.perf_counter()
+        v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
+             "expected_cause": cell.expected_cause}
+        try:
+            result = run_pair(cell.spec, cell_dir, mode, progress)
+            v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
+            v["first_divergence"] = result["first_divergence"]
+            details = attribute(cell, result, cell_dir, mode, progress, log)
+            v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
+            v["attribution_detail"] = details
+            v["metrics"] = _summary_metrics(result)
+            v["only_in"] = {"scratch": result["only_in_a"], "trl": result["only_in_b"]}
+            v["notes"] = result["notes"]
+        except Exception as e:  # one failing cell never takes the others down
+            v.update(verdict="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
+                     first_divergence=None, attribution=[], metrics={})
+        v["ok"] = v["verdict"] == cell.expected and (
+            cell.expected_cause is None or (v["attribution"][:1] == [cell.expected_cause] and
+                                            v["attribution_detail"][0]["status"] == "confirmed"))
+        v["wall_s"] = round(time.perf_counter() - t0, 1)
+        verdicts.append(v)
+        log("    " + _cell_line(v))
+        (out_dir / "verdict.json").write_text(json.dumps(_verdict_doc(base, matrix, mode, verdicts, t_start),
+                                                         indent=2, default=_json_default) + "\n")
+    doc = _verdict_doc(base, matrix, mode, verdicts, t_start)
+    (out_dir / "verdict.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    return doc
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def _verdict_doc(base, matrix, mode, verdicts, t_start) -> dict:
+    from harness.runlog import library_versions
+
+    return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
+            "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
+
+
+def _dirname(name: str) -> str:
+    return name.replace("=", "-").replace(":", "_").replace(",", "+")
+
+
+def _cell_line(v: dict) -> str:
+    mark = "ok " if v["ok"] else "BAD"
+    if v["verdict"] == "failed":
+        return f"{mark} failed: {v['error']}"
+    fd = v.get("first_divergence")
+    where = f" at step {fd['step']} ({fd['metric']})" if fd else ""
+    cause = ""
+    if v.get("attribution_detail"):
+        d = v["attribution_detail"][0]
+        cause = f"; cause: {d['cause']} ({d['status']})"
+    return f"{mark} {v['verdict']}{where}{cause}"
+
+
+def format_verdict(doc: dict) -> str:
+    lines = [f"parity {'OK' if doc['ok'] else 'NOT OK'}: {sum(v['ok'] for v in doc['cells'])}/{len(doc['cells'])} "
+             f"cells as expected ({doc['mode']}, matrix {doc['matrix']}, {doc['elapsed_s']:.0f} s)", ""]
+    lines.append(f"{'cell':30s} {'expected':9s} {'got':9s} {'first divergence':28s} cause")
+    for v in doc["cells"]:
+        fd = v.get("first_divergence")
+        fd_s = f"step {fd['step']} {fd['metric']}" if fd else "-"
+        cause = "-"
+        if v.get("attribution_detail"):
+            d = v["attribution_detail"][0]
+            cause = f"{d['cause']} ({d['status']})"
+        if v["verdict"] == "failed":
+            cause = v["error"][:60]
+        lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
+                     + ("" if v["ok"] else "   <- not as expected"))
+    return "\n".join(lines)

@@ -1,0 +1,214 @@
+"""Preflight: what differs between the two sides, before any model loads or GPU time is spent.
+
+`python -m harness preflight --spec FILE` prints the mapping table and a semantic diff: for each
+quantity that shapes the numbers (prompts per step, micro-batches, loss normalizer, clip bounds,
+lr at the first and last step, std estimator, IS on/off and mode, ...) what the scratch loop will do
+and what TRL will do. Each difference is labelled with the lesson's check it belongs to (`batch`,
+`loss_type`, `importance_sampling`) or `other:<field>`, and carries the spec change that aligns it
+(used by attribution to confirm a cause). Exit status 0 aligned, 1 differences, 2 bad spec.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+from trl_runner.translate import NORM_OF_LOSS_TYPE, Translation, translate
+
+CHECK_ORDER = ("batch", "loss_type", "importance_sampling")
+
+
+@dataclasses.dataclass
+class Difference:
+    quantity: str  # what differs, in words both sides share
+    check: str  # batch | loss_type | importance_sampling | other:<field>
+    scratch: object
+    trl: object
+    fields: tuple  # the spec / TRL fields behind it
+    align: dict  # {"set": {spec key: value}, "drop_trl": [trl keys]}: the change that aligns this difference
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _lr_first_last(name, lr: float, steps: int, warmup: int, kwargs: dict | None = None) -> tuple[float, float]:
+    """The learning rate used at the first and last optimizer step, from transformers' own scheduler."""
+    import torch
+    from transformers import get_scheduler
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=lr)
+    name = getattr(name, "value", name)  # a SchedulerType enum, or its string
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=steps, scheduler_specific_kwargs=kwargs)
+    first = opt.param_groups[0]["lr"]
+    for _ in range(steps - 1):
+        opt.step()
+        sched.step()
+    return first, opt.param_groups[0]["lr"]
+
+
+def _scratch_lr_name(spec) -> str:
+    if spec.LR_SCHEDULE == "linear":
+        return "linear"
+    return "constant_with_warmup" if spec.WARMUP_STEPS else "constant"
+
+
+def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, dict]:
+    """Per quantity: (value on the scratch side, value on the TRL side, fields, check, alignment)."""
+    kw = tr.kwargs
+    G = kw["num_generations"]
+    ga = kw["gradient_accumulation_steps"]
+    spg = kw.get("steps_per_generation") or ga
+    trl_seqs = kw["per_device_train_batch_size"] * ga
+    trl_gen = kw.get("generation_batch_size") or kw["per_device_train_batch_size"] * spg
+    emulated_or_vllm = spec.sampler.kind in ("emulated", "vllm") or kw.get("use_vllm")
+    trl_is = bool(emulated_or_vllm and kw["vllm_importance_sampling_correction"])
+    scratch_is = bool(spec.sampler.kind != "policy" and spec.IS_CORRECTION)
+    trl_cfg = tr.config("/tmp/grpo-parity-preflight", **tr.validated_with)
+    trl_warmup = trl_cfg.get_warmup_steps(kw["max_steps"])
+    s_lr = _lr_first_last(_scratch_lr_name(spec), spec.LR, spec.STEPS, spec.WARMUP_STEPS)
+    t_lr = _lr_first_last(trl_cfg.lr_scheduler_type, kw["learning_rate"], kw["max_steps"], trl_warmup,
+                          trl_cfg.lr_scheduler_kwargs or None)
+    trl_override = lambda *keys: {"drop_trl": [k for k in keys if k in tr.overrides]}  # noqa: E731
+
+    q = {}  # quantity -> (scratch, trl, fields, check, align)
+    q["prompts per optimizer step"] = (spec.PROMPTS_PER_STEP, trl_seqs // G,
+                                       ("BATCH_MAPPING", "per_device_train_batch_size", "gradient_accumulation_steps"),
+                                       "batch", {"set": {"BATCH_MAPPING": "matched"},
+                                                 **trl_override("per_device_train_batch_size",
+                                                                "gradient_accumulation_steps", "num_generations")})
+    q["sequences per optimizer step"] = (spec.sequences_per_step, trl_seqs, q["prompts per optimizer step"][2], "batch",
+                                         q["prompts per optimizer step"][4])
+    q["completions per prompt"] = (spec.GROUP_SIZE, G, ("GROUP_SIZE", "num_generations"), "batch",
+                                   trl_override("num_generations"))
+    q["micro-batches per step"] = (spec.GRAD_ACCUM, ga, ("GRAD_ACCUM", "gradient_accumulation_steps"), "batch",
+                                   trl_override("gradient_accumulation_steps"))
+    q["sequences per micro-batch"] = (spec.micro_batch_size, kw["per_device_train_batch_size"],
+                                      q["prompts per optimizer step"][2], "batch", q["prompts per optimizer step"][4])
+    q["generation batch (sequences)"] = (spec.sequences_per_step, trl_gen,
+                                         ("steps_per_generation", "generation_batch_size"), "batch",
+                                         {"set": {"BATCH_MAPPING": "matched"},
+                                          **trl_override("steps_per_generation", "generation_batch_size",
+                                                         "per_device_train_batch_size")})
+    if n_rows:
+        q["optimizer steps per epoch"] = (round(n_rows / spec.PROMPTS_PER_STEP, 2), round(n_rows / (trl_seqs // G), 2),
+                                          q["prompts per optimizer step"][2], "batch", q["prompts per optimizer step"][4])
+    q["prompt order"] = ("shared schedule", "TRL's own shuffle" if kw["shuffle_dataset"] else "shared schedule",
+                         ("shuffle_dataset",), "batch", trl_override("shuffle_dataset"))
+    q["loss normalizer"] = (spec.LOSS_NORM, NORM_OF_LOSS_TYPE.get(kw["loss_type"], kw["loss_type"]),
+                            ("LOSS_NORM", "loss_type"), "loss_type", trl_override("loss_type"))
+    q["IS correction"] = ("on" if scratch_is else "off", "on" if trl_is else "off",
+                          ("IS_CORRECTION", "vllm_importance_sampling_correction"), "importance_sampling",
+                          trl_override("vllm_importance_sampling_correction", "use_vllm"))
+    if scratch_is or trl_is:
+        q["IS mode and bounds"] = (
+            (spec.IS_MODE, spec.IS_CLIP_MIN or None, spec.IS_CLIP_MAX) if scratch_is else None,
+            (kw["vllm_importance_sampling_mode"], kw["vllm_importance_sampling_clip_min"],
+             kw["vllm_importance_sampling_clip_max"]) if trl_is else None,
+            ("IS_MODE", "vllm_importance_sampling_mode"), "importance_sampling",
+            trl_override("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                         "vllm_importance_sampling_clip_max"))
+
+    def other(name, s_val, t_val, trl_field, spec_key):
+        q[name] = (s_val, t_val, (spec_key, trl_field), f"other:{trl_field}", trl_override(trl_field))
+
+    other("advantage scaling", spec.ADV_SCALE, kw["scale_rewards"], "scale_rewards", "ADV_SCALE")
+    q["std estimator"] = (spec.STD, "bessel", ("STD",), "other:STD", {"set": {"STD": "bessel"}})
+    q["std epsilon"] = (spec.STD_EPS, 1e-4, ("STD_EPS",), "other:STD_EPS", {"set": {"STD_EPS": 1e-4}})
+    other("clip low (epsilon)", spec.CLIP_LOW, kw["epsilon"], "epsilon", "CLIP_LOW")
+    other("clip high (epsilon_high)", spec.CLIP_HIGH, kw["epsilon_high"] if kw["epsilon_high"] is not None
+          else kw["epsilon"], "epsilon_high", "CLIP_HIGH")
+    other("two-sided clip (delta)", spec.DELTA or None, kw["delta"], "delta", "DELTA")
+    other("KL coefficient (beta)", spec.BETA, kw["beta"], "beta", "BETA")
+    if spec.BETA or kw["beta"]:
+        other("KL times policy ratio", spec.KL_IS_CORRECTION, kw["use_bias_correction_kl"], "use_bias_correction_kl",
+              "KL_IS_CORRECTION")
+    other("optimizer passes per generation", spec.NUM_ITERATIONS, kw["num_iterations"], "num_iterations",
+          "NUM_ITERATIONS")
+    other("mask truncated completions", spec.MASK_TRUNCATED, kw["mask_truncated_completions"],
+          "mask_truncated_completions", "MASK_TRUNCATED")
+    other("max completion tokens", spec.MAX_TOKENS, kw["max_completion_length"], "max_completion_length", "MAX_TOKENS")
+    other("temperature (sampling and log-probs)", spec.TEMPERATURE, kw["temperature"], "temperature", "TEMPERATURE")
+    other("top_p", spec.TOP_P, kw["top_p"], "top_p", "TOP_P")
+    other("top_k", spec.TOP_K, kw["top_k"], "top_k", "TOP_K")
+    lr_fields = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "lr_scheduler_kwargs")
+    q["lr at first step"] = (s_lr[0], t_lr[0], ("LR", "WARMUP_STEPS", *lr_fields), "other:learning_rate",
+                             trl_override(*lr_fields))
+    q["lr at last step"] = (s_lr[1], t_lr[1], ("LR", "LR_SCHEDULE", *lr_fields), "other:lr_scheduler_type",
+                            trl_override(*lr_fields))
+    other("adam beta1", spec.ADAM_BETA1, kw["adam_beta1"], "adam_beta1", "ADAM_BETA1")
+    other("adam beta2", spec.ADAM_BETA2, kw["adam_beta2"], "adam_beta2", "ADAM_BETA2")
+    other("adam epsilon", spec.ADAM_EPS, kw["adam_epsilon"], "adam_epsilon", "ADAM_EPS")
+    other("weight decay", spec.WEIGHT_DECAY, kw["weight_decay"], "weight_decay", "WEIGHT_DECAY")
+    other("grad-norm clip", spec.MAX_GRAD_NORM, kw["max_grad_norm"], "max_grad_norm", "MAX_GRAD_NORM")
+    other("optimizer steps", spec.STEPS, kw["max_steps"], "max_steps", "STEPS")
+    other("seed", spec.SEED, kw["seed"], "seed", "SEED")
+    other("reward weights", [float(w) for w in spec.rewards.weights],
+          [float(w) for w in kw["reward_weights"]] if kw.get("reward_weights") is not None else None,
+          "reward_weights", "rewards.weights")
+    # any other [trl] override is a difference of its own: the translation never sets it
+    covered = {f for v in q.values() for f in v[2]}
+    for key, value in tr.overrides.items():
+        if key not in covered:
+            q[f"[trl] {key}"] = ("(TRL default)", value, (key,), f"other:{key}", {"drop_trl": [key]})
+    return q
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
+
+
+def preflight(spec, n_rows: int | None = None) -> tuple[Translation, list[Difference], dict]:
+    """The translation, the differences (the lesson's checks first), and every quantity compared."""
+    tr = translate(spec)
+    facts = side_facts(spec, tr, n_rows)
+    diffs = [Difference(name, check, s, t, fields, align) for name, (s, t, fields, check, align) in facts.items()
+             if not _same(s, t)]
+    rank = {c: i for i, c in enumerate(CHECK_ORDER)}
+    diffs.sort(key=lambda d: rank.get(d.check, len(rank)))
+    return tr, diffs, facts
+
+
+def alignment_for(diffs: list[Difference], check: str) -> dict:
+    """The union of the alignments of every difference under one check label."""
+    out = {"set": {}, "drop_trl": []}
+    for d in diffs:
+        if d.check == check:
+            out["set"].update(d.align.get("set", {}))
+            out["drop_trl"] += [k for k in d.align.get("drop_trl", []) if k not in out["drop_trl"]]
+    return out
+
+
+def apply_alignment(spec, align: dict):
+    """A copy of `spec` with differences aligned: spec keys set, [trl] overrides dropped."""
+    from harness.spec import parse_spec
+
+    raw = copy.deepcopy(spec.to_dict())
+    for key, value in align.get("set", {}).items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    for key in align.get("drop_trl", []):
+        raw["trl"].pop(key, None)
+    return parse_spec(raw)
+
+
+def format_preflight(facts: dict, diffs: list[Difference]) -> str:
+    lines = [f"{'quantity':38s} {'scratch':>24s} {'trl':>24s}  check"]
+    differing = {d.quantity for d in diffs}
+    for name, (s, t, _fields, check, _align) in facts.items():
+        mark = check if name in differing else ""
+        lines.append(f"{name:38s} {str(s):>24s} {str(t):>24s}  {mark}")
+    lines.append("")
+    if diffs:
+        lines.append(f"{len(diffs)} difference(s), the lesson's checks first:")
+        for d in diffs:
+            lines.append(f"  [{d.check}] {d.quantity}: scratch {d.scratch!r} vs TRL {d.trl!r}")
+    else:
+        lines.append("aligned: the two sides will compute the same thing")
+    return "\n".join(lines)
