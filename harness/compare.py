@@ -83,9 +83,15 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
     notes = []
     if len(a) != len(b):
         notes.append(f"runs of different lengths: {len(a)} and {len(b)} steps; compared on the {len(steps)} shared")
-    only_a = sorted(set(a.columns) - set(b.columns) - ignore)
-    only_b = sorted(set(b.columns) - set(a.columns) - ignore)
+    by_design = tuple(tol.get("ignore", {}).get("one_sided_prefixes", []))
+    only_a = sorted(c for c in set(a.columns) - set(b.columns) - ignore if not c.startswith(by_design))
+    only_b = sorted(c for c in set(b.columns) - set(a.columns) - ignore if not c.startswith(by_design))
     metrics, failures = {}, []
+    # a metric one side logs and the other never does (e.g. TRL's IS ratios with the correction on one side only)
+    for df, names in ((a, only_a), (b, only_b)):
+        for name in names:
+            logged = df[name].dropna()
+            failures.append((int(logged.index[0]) if len(logged) else int(df.index[0]), name))
     for col in sorted((set(a.columns) & set(b.columns)) - ignore):
         x, y = a.loc[steps, col], b.loc[steps, col]
         if col == "prompt_ids_hash" or x.dtype == object or y.dtype == object:

@@ -30,6 +30,8 @@ MAX_CONFIRMATIONS = 3
 _SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
 _CLIP_ONLY = ("clipping binds only where the policy ratio leaves 1: NUM_ITERATIONS > 1, or an IS sampler; with one "
               "pass per generation the ratio is exactly 1")
+FREE_NO_EFFECT = ("free run: the two sides differ by less than the seed-to-seed noise allows at this many seeds and "
+                  "steps; run --mode lockstep (same rollouts on both sides), or more seeds or steps")
 NO_EFFECT_WHY = {"other:top_k": _SAMPLING_ONLY, "other:top_p": _SAMPLING_ONLY, "other:min_p": _SAMPLING_ONLY,
                  "other:repetition_penalty": _SAMPLING_ONLY, "other:epsilon_high": _CLIP_ONLY,
                  "other:epsilon": _CLIP_ONLY, "other:delta": _CLIP_ONLY}
@@ -127,8 +129,10 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     from trl_runner.runner import train as train_trl
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    if mode != "lockstep":
-        raise ValueError("run_pair runs lockstep pairs; free runs go through harness.freerun")
+    if mode == "free":
+        from harness.freerun import run_free_pair
+
+        return run_free_pair(spec, out_dir, progress)
     from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
 
@@ -184,10 +188,10 @@ def attribute(cell: Cell, result: dict, cell_dir: Path, mode: str, progress: boo
     diverged = result["first_divergence"] is not None
     out = []
     if not diverged:
-        return [{"cause": c, "status": "no measured effect", "fields": sorted({f for d in diffs if d.check == c
-                                                                              for f in d.fields}),
-                 "evidence": NO_EFFECT_WHY.get(c, "the preflight lists it, but the runs agree within tolerance")}
-                for c in checks]
+        why = (lambda c: NO_EFFECT_WHY.get(c, "the preflight lists it, but the runs agree within tolerance")) \
+            if mode == "lockstep" else (lambda c: FREE_NO_EFFECT)
+        return [{"cause": c, "status": "no measured effect", "evidence": why(c),
+                 "fields": sorted({f for d in diffs if d.check == c for f in d.fields})} for c in checks]
     confirmations = 0
     for check in checks:
         entry = {"cause": check, "fields": sorted({f for d in diffs if d.check == check for f in d.fields}),
