@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@echo "== setting up $(VENV) ($(TORCH), then this package and its pinned dependencies)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q "$(TORCH)"
-	@$(PY) -m pip install -q -e .
+	@$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 	@echo "== environment ready: $$($(PY) -c 'import torch, transformers, trl; print("torch", torch.__version__, "| transformers", transformers.__version__, "| trl", trl.__version__)')"
 

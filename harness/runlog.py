@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # a few completions per generation step, for reports
+COMPLETIONS_PER_STEP = 4
 MANIFEST_FILE = "manifest.json"
 TIMING_FIELDS = ("wall_s", "peak_mem_bytes", "step_time")  # differ run to run; ignored by determinism checks
 
@@ -83,6 +85,7 @@ class RunWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / METRICS_FILE
         self.metrics_path.write_text("")  # a fresh run starts a fresh log
+        (self.dir / COMPLETIONS_FILE).write_text("")
         self.manifest = {
             "side": side,
             "status": "running",
@@ -104,6 +107,12 @@ class RunWriter:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self.manifest["steps_logged"] += 1
+
+    def log_completions(self, step: int, samples: list[dict]) -> None:
+        """The first few completions of a generation step (prompt, completion, rewards, advantage)."""
+        with open(self.dir / COMPLETIONS_FILE, "a") as fh:
+            for i, sample in enumerate(samples[:COMPLETIONS_PER_STEP]):
+                fh.write(json.dumps(_clean({"step": step, "index": i, **sample}), default=str) + "\n")
 
     def update(self, **fields) -> None:
         self.manifest.update(fields)

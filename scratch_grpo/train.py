@@ -218,6 +218,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                                                    reward_names, reward_fns, std_used, G, metric_sink))
                     row.update(_mismatch_metrics(mismatch))
                     row["num_tokens"] = tokens_seen
+                    writer.log_completions(step, [
+                        {"prompt": seq_rows[i]["prompt"], "completion": completions[i], "advantage": float(advantages[i]),
+                         "rewards": {fn.__name__: float(rewards_per_func[i, j]) for j, fn in enumerate(reward_fns)}}
+                        for i in range(min(N, 4))])
                 row.update({
                     "prompts_in_step": len(idx), "sequences_in_step": N, "prompt_ids_hash": hash_prompt_ids(idx),
                     "tokens_in_step": generated_tokens, "epoch": prompts_seen / len(rows),

@@ -78,6 +78,18 @@ class MetricLogCallback(TrainerCallback):
         self.seen_generations = 0
         self.t0 = time.perf_counter()
 
+    def _log_completions(self, step: int) -> None:
+        logs = self.trainer._logs  # TRL keeps the latest generation batch here for its completion tables
+        n = len(logs["completion"])
+        first = list(range(max(0, n - self.trainer.harness_generations[-1]["sequences"]), n))[:4]
+        prompts, completions = list(logs["prompt"]), list(logs["completion"])
+        advantages = list(logs["advantages"])
+        rewards = {name: list(vals) for name, vals in logs["rewards"].items()}
+        self.writer.log_completions(step, [
+            {"prompt": prompts[i], "completion": completions[i][0]["content"] if isinstance(completions[i], list)
+             else completions[i], "advantage": advantages[i], "rewards": {k: v[i] for k, v in rewards.items()}}
+            for i in first])
+
     def on_train_end(self, args, state, control, **kwargs):
         self.bar.close()
 
@@ -116,6 +128,8 @@ class MetricLogCallback(TrainerCallback):
             "wall_s": time.perf_counter() - self.t0, "peak_mem_bytes": peak_memory_bytes(self.device),
         })
         self.writer.log_step(row)
+        if self.seen_generations and "reward" in row:  # a generation step: keep a few of its completions
+            self._log_completions(state.global_step)
         self.bar.update(row)
         self.t0 = time.perf_counter()
         if self.device.startswith("cuda"):

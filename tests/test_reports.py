@@ -1,0 +1,86 @@
+"""The HTML report: self-contained, escaped, and checked in a real browser (Debian's chromium via Playwright)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import small_spec
+from harness.matrix import run_matrix
+from reports.render import write_compare_report, write_index, write_parity_report
+
+EVIL = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def parity_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    run_matrix(small_spec("STEPS=4", 'trl.loss_type="dapo"'), out, "none", log=lambda *_: None)
+    # a model that writes markup: its completion must show as text
+    comp = out / "as-given" / "scratch" / "completions.jsonl"
+    rows = [json.loads(line) for line in comp.read_text().splitlines()]
+    rows[0]["completion"] = EVIL
+    comp.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    write_parity_report(out)
+    return out
+
+
+def test_report_is_self_contained_and_escaped(parity_dir):
+    html = (parity_dir / "report.html").read_text()
+    # the verdict comes first, before any picture
+    assert html.index('id="verdict"') < html.index("data:image/png")
+    assert "OK: 1 of 1 cells as expected" in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<script>alert(1)" not in html and "onerror=alert(2)>" not in html
+    assert "http://" not in html and "https://" not in html  # no CDN, nothing fetched
+    assert html.count("data:image/png;base64,") >= 5
+    assert "loss_type" in html and "confirmed" in html
+
+
+def test_index_for_several_runs(parity_dir, tmp_path):
+    for name in ("run-a", "run-b"):
+        shutil.copytree(parity_dir, tmp_path / name)
+    index = write_index(tmp_path)
+    assert index is not None and "run-a/report.html" in index.read_text()
+
+
+def test_compare_report(parity_dir, tmp_path):
+    from harness.compare import compare_runs
+
+    result = compare_runs(parity_dir / "as-given" / "scratch", parity_dir / "as-given" / "trl")
+    path = write_compare_report(tmp_path, result)
+    html = path.read_text()
+    assert "diverged" in html and "data:image/png;base64," in html
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here; .ci/run installs Debian's chromium package")
+def test_report_in_a_real_browser(parity_dir, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    errors, dialogs, requests = [], [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--no-first-run", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1280, "height": 1400})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto((parity_dir / "report.html").as_uri())
+        page.wait_for_load_state("load")
+        images = page.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        verdict = page.inner_text("#verdict")
+        page.locator("details").first.evaluate("d => d.open = true")
+        body_text = page.inner_text("body")
+        shot = tmp_path / "report.png"
+        page.screenshot(path=str(shot), full_page=False)
+        browser.close()
+    assert errors == [] and dialogs == []
+    assert images and all(done and w > 0 and h > 0 for done, w, h in images)
+    assert "cells as expected" in verdict
+    assert EVIL in body_text  # shown as text
+    assert [u for u in requests if not u.startswith(("file:", "data:"))] == []
+    assert shot.stat().st_size > 10_000
