@@ -151,6 +151,19 @@ def cmd_compare(args) -> int:
     return 0 if result["first_divergence"] is None else 1
 
 
+def cmd_record(args) -> int:
+    spec = _load(args)
+    check_inputs(spec)
+    from harness.record import RecordError, record
+
+    try:
+        out = record(spec, args.spec, args.out, force=args.force, allow_dirty=args.allow_dirty)
+    except RecordError as e:
+        raise InputError(str(e)) from None
+    print(f"recorded {out} (reference.json holds versions, device and commit)")
+    return 0
+
+
 def cmd_spec_help(args) -> int:
     from harness.spec import describe_fields
 
@@ -215,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("float32", "bfloat16"), help="tolerances for this dtype (default: A's spec)")
     c.add_argument("--tolerances", help="tolerance file (default: harness/tolerances.toml)")
     c.set_defaults(func=cmd_compare)
+
+    rec = sub.add_parser("record", help="record a golden lockstep reference (logs, rollouts, versions, commit)")
+    spec_args(rec)
+    rec.add_argument("--steps", type=int, help="override STEPS")
+    rec.add_argument("--force", action="store_true", help="overwrite an existing reference")
+    rec.add_argument("--allow-dirty", action="store_true", help="record from a work tree with uncommitted changes")
+    rec.set_defaults(func=cmd_record)
 
     v = sub.add_parser("validate", help="check a spec, its data and its TRL translation without loading a model")
     spec_args(v, out_default=False)

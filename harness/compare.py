@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import is_numeric_dtype
 
 DEFAULT_TOLERANCES = Path(__file__).with_name("tolerances.toml")
 # when several metrics leave tolerance at the same step, report them in the lesson's order
@@ -94,7 +95,7 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
             failures.append((int(logged.index[0]) if len(logged) else int(df.index[0]), name))
     for col in sorted((set(a.columns) & set(b.columns)) - ignore):
         x, y = a.loc[steps, col], b.loc[steps, col]
-        if col == "prompt_ids_hash" or x.dtype == object or y.dtype == object:
+        if col == "prompt_ids_hash" or not (is_numeric_dtype(x) and is_numeric_dtype(y)):
             same = x.astype(str) == y.astype(str)
             bad = [int(s) for s in steps[~same.to_numpy()]]
             metrics[col] = {"max_abs": 0.0 if not bad else math.inf, "max_rel": 0.0 if not bad else math.inf,
