@@ -51,7 +51,7 @@ def record(spec, spec_path: str, out: str | Path, force: bool = False, allow_dir
             "lockstep_parity": result["first_divergence"] is None}
     (out / REFERENCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     for side in ("scratch", "trl"):  # a reference keeps logs, not weights sketches or TRL's output folder
-        for extra in ("param_sketch.f32", "trl_output"):
+        for extra in ("param_sketch.f32", "param_sketch.json", "trl_output"):
             p = out / side / extra
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     return out
