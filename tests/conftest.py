@@ -37,3 +37,15 @@ def small_spec(*overrides: str):
     from harness.spec import load_spec
 
     return load_spec(DEFAULT_SPEC, ["STEPS=4", *overrides])
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run on a machine with CUDA only (the GPU test machine); elsewhere they skip, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run on the GPU test machine (see docs/benchmarks.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
