@@ -71,11 +71,11 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     if args.side == "scratch":
         from scratch_grpo.train import train
-
-        train(spec, out, progress=not args.quiet)
     else:
         from trl_runner.runner import train
+    from harness.signals import graceful_stop
 
+    with graceful_stop():
         train(spec, out, progress=not args.quiet)
     print(f"{args.side}: {spec.STEPS} steps in {time.perf_counter() - t0:.1f} s -> {out / 'metrics.jsonl'}")
     return 0
@@ -83,7 +83,19 @@ def cmd_run(args) -> int:
 
 def cmd_parity(args) -> int:
     """The toggle matrix: each cell runs both loops, compares them, and names the cause of a divergence."""
-    spec = _load(args)
+    if args.resume:
+        from harness.spec import parse_spec
+
+        prev = Path(args.resume) / "verdict.json"
+        if not prev.exists():
+            raise InputError(f"--resume {args.resume}: no verdict.json there to resume from")
+        doc = json.loads(prev.read_text())
+        spec = _load(args) if args.spec else parse_spec(doc["base_spec"])
+        args.out, args.matrix, args.mode = args.resume, doc["matrix"], doc["mode"]
+    elif not args.spec:
+        raise InputError("parity needs --spec FILE (or --resume DIR)")
+    else:
+        spec = _load(args)
     check_inputs(spec)
     from harness.preflight import format_preflight, preflight
 
@@ -101,7 +113,11 @@ def cmd_parity(args) -> int:
         from harness.matrix import run_matrix as run
     from harness.matrix import format_verdict
 
-    doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print)
+    from harness.signals import graceful_stop
+
+    with graceful_stop():
+        doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print,
+                  resume=bool(args.resume))
     text = format_verdict(doc)
     (out / "summary.txt").write_text(text + "\n")
     print()
@@ -203,7 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     pa = sub.add_parser("parity", help="run the toggle matrix (both loops per cell), compare, name causes")
-    spec_args(pa, out_default="runs/parity")
+    pa.add_argument("--spec", help="experiment spec (TOML), e.g. harness/specs/default.toml")
+    pa.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    pa.add_argument("--out", default="runs/parity", help="output folder (default runs/parity)")
+    pa.add_argument("--resume", metavar="DIR", help="continue an interrupted parity run in DIR, keeping its "
+                                                     "finished cells (spec, matrix and mode come from DIR)")
     pa.add_argument("--steps", type=int, help="override STEPS")
     pa.add_argument("--mode", choices=("lockstep", "free"), default="lockstep",
                     help="lockstep: both loops get the same rollouts (default); free: each samples its own, "
@@ -254,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e}); finished steps are in the metric logs; `python -m harness parity --resume DIR` "
+              "continues a parity run", file=sys.stderr)
         return 130

@@ -178,7 +178,8 @@ def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int = DEFA
     return result
 
 
-def run_free_matrix(base, out_dir, matrix: str = "default", progress: bool = False, log=print, only=None) -> dict:
+def run_free_matrix(base, out_dir, matrix: str = "default", progress: bool = False, log=print, only=None,
+                    resume: bool = False) -> dict:
     from harness.matrix import run_matrix
 
-    return run_matrix(base, out_dir, matrix, mode="free", progress=progress, log=log, only=only)
+    return run_matrix(base, out_dir, matrix, mode="free", progress=progress, log=log, only=only, resume=resume)

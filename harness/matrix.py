@@ -229,15 +229,28 @@ def _summary_metrics(result: dict) -> dict:
 
 
 def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
-               log=print, only: list[str] | None = None) -> dict:
+               log=print, only: list[str] | None = None, resume: bool = False) -> dict:
+    """Run every cell, writing verdict.json after each. `resume`: keep the cells an earlier run of the same
+    spec, matrix and mode finished in `out_dir` (a cell cut short is run again from its start)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = build_cells(base, matrix)
     if only:
         cells = [c for c in cells if c.name in only]
+    done = {}
+    if resume and (out_dir / "verdict.json").exists():
+        old = json.loads((out_dir / "verdict.json").read_text())
+        if old.get("base_spec") == base.to_dict() and old.get("matrix") == matrix and old.get("mode") == mode:
+            done = {c["name"]: c for c in old["cells"] if c.get("verdict") in ("parity", "diverged")}
+        else:
+            log("resume: the earlier run in this folder used another spec, matrix or mode; starting over")
     verdicts = []
     t_start = time.perf_counter()
     for i, cell in enumerate(cells, 1):
+        if cell.name in done:
+            log(f"[cell {i}/{len(cells)}] {cell.name}: finished earlier, kept")
+            verdicts.append(done[cell.name])
+            continue
         elapsed = time.perf_counter() - t_start
         eta = f", eta {elapsed / (i - 1) * (len(cells) - i + 1):.0f} s" if i > 1 else ""
         log(f"[cell {i}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
@@ -264,11 +277,17 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         v["wall_s"] = round(time.perf_counter() - t0, 1)
         verdicts.append(v)
         log("    " + _cell_line(v))
-        (out_dir / "verdict.json").write_text(json.dumps(_verdict_doc(base, matrix, mode, verdicts, t_start),
-                                                         indent=2, default=_json_default) + "\n")
+        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, verdicts, t_start))
     doc = _verdict_doc(base, matrix, mode, verdicts, t_start)
-    (out_dir / "verdict.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    _write_json(out_dir / "verdict.json", doc)
     return doc
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Atomically: a kill during the write leaves the previous verdict.json whole."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    tmp.replace(path)
 
 
 def _json_default(o):
@@ -281,7 +300,7 @@ def _verdict_doc(base, matrix, mode, verdicts, t_start) -> dict:
     from harness.runlog import library_versions
 
     return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
-            "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
+            "base_spec": base.to_dict(), "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
 
 
 def _dirname(name: str) -> str:

@@ -131,6 +131,8 @@ class RunWriter:
             self.finish("finished")
         elif issubclass(exc_type, KeyboardInterrupt):
             self.finish("interrupted")
+        elif issubclass(exc_type, FloatingPointError):  # "failed: non-finite loss at step N"
+            self.finish(f"failed: {exc}")
         else:
             self.finish(f"failed: {exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
         return False

@@ -44,6 +44,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     from harness.params import ParamSketch
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
     from harness.runlog import Progress, RunWriter, peak_memory_bytes
+    from harness.signals import check_stop
 
     # ---- seeding and determinism: everything random below draws from these -----------------------
     random.seed(spec.SEED)
@@ -232,6 +233,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                     raise FloatingPointError(f"non-finite loss at step {step}")
                 writer.log_step(row)
                 bar.update(row)
+                check_stop(step)  # SIGINT/SIGTERM: stop here, with this step logged
                 t0 = time.perf_counter()
     bar.close()
     return writer.dir

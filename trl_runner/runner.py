@@ -104,6 +104,7 @@ class MetricLogCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         from harness.data import hash_prompt_ids
         from harness.runlog import peak_memory_bytes
+        from harness.signals import check_stop
 
         if not logs or "loss" not in logs:  # the end-of-training summary carries no step metrics
             return
@@ -137,6 +138,7 @@ class MetricLogCallback(TrainerCallback):
         loss, gn = row.get("loss"), row.get("grad_norm")
         if loss is None or not math.isfinite(loss) or (gn is not None and not math.isfinite(gn)):
             raise FloatingPointError(f"non-finite loss at step {state.global_step}")
+        check_stop(state.global_step)  # SIGINT/SIGTERM: stop here, with this step logged
 
 
 class TRLSamplerAdapter:

@@ -1,0 +1,100 @@
+"""Faults: non-finite losses, SIGTERM at a step boundary, SIGKILL mid-cell then --resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import DEFAULT_SPEC, ROOT, small_spec
+from harness.compare import compare_runs
+from harness.runlog import read_metrics
+
+
+def test_non_finite_loss_stops_with_status_and_log_intact(tmp_path, monkeypatch):
+    from scratch_grpo import core
+    from scratch_grpo.train import train
+
+    real, calls = core.aggregate_loss, {"n": 0}
+
+    def poisoned(*a, **k):
+        calls["n"] += 1
+        out = real(*a, **k)
+        return out * float("nan") if calls["n"] > 4 else out  # 2 micro-batches per step: step 3 goes bad
+
+    monkeypatch.setattr(core, "aggregate_loss", poisoned)
+    with pytest.raises(FloatingPointError, match="non-finite loss at step 3"):
+        train(small_spec("STEPS=6"), tmp_path / "nan", progress=False)
+    manifest = json.loads((tmp_path / "nan" / "manifest.json").read_text())
+    assert manifest["status"] == "failed: non-finite loss at step 3"
+    rows, problems = read_metrics(tmp_path / "nan" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] is None and not problems
+    # the comparator puts the divergence at that step
+    monkeypatch.setattr(core, "aggregate_loss", real)
+    train(small_spec("STEPS=6"), tmp_path / "ok", progress=False)
+    result = compare_runs(tmp_path / "ok", tmp_path / "nan", mode="lockstep")
+    assert result["first_divergence"]["step"] == 3 and "different lengths" in " ".join(result["notes"])
+
+
+def spawn(*args, cache):
+    env = {**os.environ, "GRPO_PARITY_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(path, n, proc, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if path.exists() and len(read_metrics(path)[0]) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early: {proc.stdout.read()}")
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for steps")
+
+
+@pytest.mark.parametrize("sig, side", [(signal.SIGTERM, "scratch"), (signal.SIGINT, "trl")])
+def test_signal_stops_at_a_step_boundary(sig, side, tmp_path, private_cache):
+    out = tmp_path / "run"
+    proc = spawn("run", side, "--spec", str(DEFAULT_SPEC), "--out", str(out), "--steps", "400", "--quiet",
+                 cache=private_cache)
+    wait_for_steps(out / "metrics.jsonl", 3, proc)
+    proc.send_signal(sig)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    rows, problems = read_metrics(out / "metrics.jsonl")
+    assert problems == [] and 3 <= len(rows) < 400  # stopped early, every line whole
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
+
+
+def test_sigkill_mid_cell_then_resume(tmp_path, private_cache):
+    out = tmp_path / "parity"
+    args = ("parity", "--spec", str(DEFAULT_SPEC), "--out", str(out), "--quiet", "--set", "STEPS=12")
+    proc = spawn(*args, cache=private_cache)
+    # let the first cell finish and the second start, then kill in the middle of the second
+    end = time.time() + 300
+    while time.time() < end:
+        v = out / "verdict.json"
+        second = out / "batch-naive" / "scratch" / "metrics.jsonl"
+        if v.exists() and second.exists() and len(read_metrics(second)[0]) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    finished = json.loads((out / "verdict.json").read_text())
+    assert [c["name"] for c in finished["cells"]] == ["matched"]
+    rows, _ = read_metrics(out / "matched" / "trl" / "metrics.jsonl")
+    assert len(rows) == 12  # the finished cell lost nothing
+    rows, _ = read_metrics(second)
+    assert rows and [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # the killed one: whole lines
+    resumed = subprocess.run([sys.executable, "-m", "harness", "parity", "--resume", str(out), "--quiet"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "GRPO_PARITY_CACHE": str(private_cache)})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "matched: finished earlier, kept" in resumed.stdout
+    doc = json.loads((out / "verdict.json").read_text())
+    assert doc["ok"] and len(doc["cells"]) == 10
