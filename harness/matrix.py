@@ -300,11 +300,20 @@ def _verdict_doc(base, matrix, mode, verdicts, t_start) -> dict:
     from harness.runlog import library_versions
 
     return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
-            "base_spec": base.to_dict(), "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
+            "base_spec": base.to_dict(), "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1),
+            "versions": library_versions()}
 
 
 def _dirname(name: str) -> str:
     return name.replace("=", "-").replace(":", "_").replace(",", "+")
+
+
+def _cause(v: dict) -> str | None:
+    """The leading cause of a cell and its status, e.g. 'loss_type (confirmed)'."""
+    if not v.get("attribution_detail"):
+        return None
+    d = v["attribution_detail"][0]
+    return f"{d['cause']} ({d['status']})"
 
 
 def _cell_line(v: dict) -> str:
@@ -313,10 +322,7 @@ def _cell_line(v: dict) -> str:
         return f"{mark} failed: {v['error']}"
     fd = v.get("first_divergence")
     where = f" at step {fd['step']} ({fd['metric']})" if fd else ""
-    cause = ""
-    if v.get("attribution_detail"):
-        d = v["attribution_detail"][0]
-        cause = f"; cause: {d['cause']} ({d['status']})"
+    cause = f"; cause: {_cause(v)}" if _cause(v) else ""
     return f"{mark} {v['verdict']}{where}{cause}"
 
 
@@ -327,12 +333,7 @@ def format_verdict(doc: dict) -> str:
     for v in doc["cells"]:
         fd = v.get("first_divergence")
         fd_s = f"step {fd['step']} {fd['metric']}" if fd else "-"
-        cause = "-"
-        if v.get("attribution_detail"):
-            d = v["attribution_detail"][0]
-            cause = f"{d['cause']} ({d['status']})"
-        if v["verdict"] == "failed":
-            cause = v["error"][:60]
+        cause = v["error"][:60] if v["verdict"] == "failed" else (_cause(v) or "-")
         lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
                      + ("" if v["ok"] else "   <- not as expected"))
     return "\n".join(lines)
