@@ -144,6 +144,7 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
     other("grad-norm clip", spec.MAX_GRAD_NORM, kw["max_grad_norm"], "max_grad_norm", "MAX_GRAD_NORM")
     other("optimizer steps", spec.STEPS, kw["max_steps"], "max_steps", "STEPS")
     other("seed", spec.SEED, kw["seed"], "seed", "SEED")
+    other("deterministic kernels", spec.DETERMINISTIC, kw["full_determinism"], "full_determinism", "DETERMINISTIC")
     other("reward weights", [float(w) for w in spec.rewards.weights],
           [float(w) for w in kw["reward_weights"]] if kw.get("reward_weights") is not None else None,
           "reward_weights", "rewards.weights")

@@ -178,6 +178,10 @@ class Spec:
                     "bf16=True with a bf16-loaded model).", choices=("float32", "bfloat16"))
     DEVICE: str = _f("cpu", "`cpu`, `cuda`, or `auto` (cuda when available).", choices=("cpu", "cuda", "auto"))
     GRADIENT_CHECKPOINTING: bool = _f(False, "Recompute activations in the backward pass (saves GPU memory).")
+    DETERMINISTIC: bool = _f(False, "GPU determinism on both sides: transformers' enable_full_determinism "
+                             "(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
+                             "no cuDNN benchmark); TRL: full_determinism. Costs speed (docs/benchmarks.md). CPU runs "
+                             "are deterministic without it.")
     # --- tables ---
     model: ModelSpec = field(default_factory=ModelSpec, metadata={"help": "The policy model."})
     data: DataSpec = field(default_factory=DataSpec, metadata={"help": "The prompts."})

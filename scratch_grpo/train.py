@@ -50,6 +50,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     random.seed(spec.SEED)
     np.random.seed(spec.SEED % 2**32)
     torch.manual_seed(spec.SEED)
+    if spec.DETERMINISTIC:  # deterministic GPU kernels, as TRL's full_determinism (it also seeds, as above)
+        from transformers import enable_full_determinism
+
+        enable_full_determinism(spec.SEED)
     device = resolve_device(spec)
 
     # ---- model, tokenizer, data -------------------------------------------------------------------

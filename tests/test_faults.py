@@ -71,6 +71,7 @@ def test_signal_stops_at_a_step_boundary(sig, side, tmp_path, private_cache):
     assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_sigkill_mid_cell_then_resume(tmp_path, private_cache):
     out = tmp_path / "parity"
     args = ("parity", "--spec", str(DEFAULT_SPEC), "--out", str(out), "--quiet", "--set", "STEPS=12")

@@ -41,6 +41,7 @@ def null_pool(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_false_alarm_rate_on_null_pairs(null_pool):
     """3 seeds vs 3 other seeds of identical settings, 300 random splits: alarms at about the stated 5%."""
     alarms = 0
@@ -52,6 +53,7 @@ def test_false_alarm_rate_on_null_pairs(null_pool):
     assert rate <= 0.08, rate  # measured 5.3%; a percentile bootstrap gave 93%
 
 
+@pytest.mark.slow
 def test_a_real_difference_is_flagged(null_pool, tmp_path):
     slow = []
     for seed in (100, 101, 102):  # the same seeds, a 10x smaller learning rate

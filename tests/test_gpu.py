@@ -28,3 +28,14 @@ def test_emulated_is_on_gpu(tmp_path):
     spec = small_spec("STEPS=4", 'DEVICE="cuda"', 'DTYPE="bfloat16"', 'sampler.kind="emulated"', "IS_CORRECTION=true")
     result = run_pair(spec, tmp_path, "lockstep")
     assert "sampling/importance_sampling_ratio/mean" in result["metrics"]
+
+
+def test_deterministic_switch_gives_identical_reruns_on_gpu(tmp_path):
+    from harness.runlog import TIMING_FIELDS, read_metrics
+    from scratch_grpo.train import train
+
+    spec = small_spec("STEPS=4", 'DEVICE="cuda"', 'DTYPE="bfloat16"', "DETERMINISTIC=true")
+    train(spec, tmp_path / "a", progress=False)
+    train(spec, tmp_path / "b", progress=False)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "a" / "metrics.jsonl")[0]) == strip(read_metrics(tmp_path / "b" / "metrics.jsonl")[0])

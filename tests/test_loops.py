@@ -158,6 +158,7 @@ def test_scratch_importance_sampling_metrics_grow_with_mismatch(tmp_path):
     assert diffs[0] < 1e-6 < diffs[1]
 
 
+@pytest.mark.slow
 def test_reward_rises_beyond_seed_spread(tmp_path):
     """Issue 4's bar on the embedded default: last-fifth minus first-fifth mean reward, over 3 seeds, exceeds the
     seed-to-seed spread (max - min) of that difference."""
@@ -193,3 +194,18 @@ def test_cli_run_scratch_end_to_end(tmp_path, private_cache):
     df = read_run(tmp_path / "run")
     assert len(df) == 2 and df.attrs["manifest"]["status"] == "finished"
     assert all(math.isfinite(v) for v in df["loss"])
+
+
+def test_deterministic_switch_runs_on_both_sides(tmp_path):
+    from harness.preflight import preflight
+
+    try:
+        spec = small_spec("STEPS=2", "DETERMINISTIC=true")
+        assert preflight(spec)[1] == []  # translated to TRL's full_determinism: aligned
+        s, t = lockstep(spec, tmp_path)
+        assert torch.are_deterministic_algorithms_enabled()
+        torch.testing.assert_close(torch.tensor(s["grad_norm"].values), torch.tensor(t["grad_norm"].values),
+                                   rtol=1.3e-6, atol=1e-5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [d.check for d in preflight(small_spec("trl.full_determinism=true"))[1]] == ["other:full_determinism"]

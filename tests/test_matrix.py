@@ -10,6 +10,7 @@ from conftest import small_spec
 from harness import matrix as M
 
 
+@pytest.mark.slow
 def test_default_matrix_is_ok(tmp_path):
     spec = small_spec("STEPS=20")
     doc = M.run_matrix(spec, tmp_path, "default", log=lambda *_: None)
@@ -32,6 +33,7 @@ def test_default_matrix_is_ok(tmp_path):
         assert all({"max_abs", "max_rel", "mean_delta"} <= set(m) for m in cell["metrics"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, cause, step_metric", [
     ("trl.adam_beta2=0.999", "other:adam_beta2", (2, "param_rel_l2")),
     ('trl.lr_scheduler_type="linear"', "other:lr_scheduler_type", (2, "learning_rate")),

@@ -15,3 +15,4 @@ python3 -m harness parity --spec harness/specs/default.toml --matrix none --quie
   2>&1 | tee "$OUT/bf16_parity.log" || true
 cp /tmp/bf16/verdict.json "$OUT/bf16_verdict.json" 2>/dev/null || true
 cp /tmp/bf16/report.html "$OUT/bf16_report.html" 2>/dev/null || true
+python3 tools/determinism_bench.py --steps 8 2>&1 | grep -v -i warn | tee "$OUT/determinism.txt" || true

@@ -105,6 +105,7 @@ def translate(spec, processes: int = 1) -> Translation:
         # harness plumbing: data comes pre-ordered, every step is logged, nothing is saved or reported
         "shuffle_dataset": False, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
         "dataloader_num_workers": 0, "use_cpu": spec.DEVICE == "cpu", "bf16": spec.DTYPE == "bfloat16",
+        "full_determinism": spec.DETERMINISTIC,
     }
     gc_field = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     kw[gc_field] = spec.GRADIENT_CHECKPOINTING
@@ -208,6 +209,8 @@ def mapping_table(spec, kw: dict, overrides: dict, processes: int = 1) -> list[d
                   kw["mask_truncated_completions"]))
     T.append(_row("other", "SEED", spec.SEED, "seed / shuffle_dataset", f"{kw['seed']} / {kw['shuffle_dataset']}",
                   "the harness orders the data set by the shared prompt schedule; TRL's own shuffle is off"))
+    T.append(_row("other", "DETERMINISTIC", spec.DETERMINISTIC, "full_determinism", kw["full_determinism"],
+                  "both call transformers' enable_full_determinism"))
     T.append(_row("other", "DTYPE / DEVICE", f"{spec.DTYPE} / {spec.DEVICE}", "bf16 / use_cpu",
                   f"{kw['bf16']} / {kw['use_cpu']}", "bf16: fp32 master weights, bf16 autocast, on both sides"))
     for key, value in overrides.items():
