@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        print(f"run failed: {e}; the metric log keeps every step up to it", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}); finished steps are in the metric logs; `python -m harness parity --resume DIR` "
               "continues a parity run", file=sys.stderr)

@@ -99,3 +99,15 @@ def test_sigkill_mid_cell_then_resume(tmp_path, private_cache):
     assert "matched: finished earlier, kept" in resumed.stdout
     doc = json.loads((out / "verdict.json").read_text())
     assert doc["ok"] and len(doc["cells"]) == 10
+
+
+def test_trl_side_non_finite_loss_stops_the_run(tmp_path, private_cache):
+    """A learning rate of 1e30 blows TRL's weights up at step 1; step 2's gradient is not finite."""
+    out = tmp_path / "trl"
+    r = subprocess.run([sys.executable, "-m", "harness", "run", "trl", "--spec", str(DEFAULT_SPEC), "--out", str(out),
+                        "--steps", "6", "--quiet", "--set", "trl.learning_rate=1e30"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "GRPO_PARITY_CACHE": str(private_cache)})
+    assert r.returncode == 1 and "run failed: non-finite loss at step 2" in r.stderr and "Traceback" not in r.stderr
+    assert json.loads((out / "manifest.json").read_text())["status"] == "failed: non-finite loss at step 2"
+    rows, problems = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2] and problems == []
