@@ -74,6 +74,10 @@ def test_a_failing_cell_does_not_sink_the_matrix(tmp_path, monkeypatch):
     assert "CUDA out of memory" in by_name["matched:loss_type=bnpo"]["error"]
     assert by_name["matched"]["verdict"] == "parity" and by_name["loss_type=dapo"]["verdict"] == "diverged"
     assert not doc["ok"]
+    from reports.render import write_parity_report
+
+    html = write_parity_report(tmp_path).read_text()  # the report shows the failed cell and its error
+    assert "failed: RuntimeError: CUDA out of memory (simulated)" in html
 
 
 def test_full_matrix_cells_and_expectations():
