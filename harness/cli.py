@@ -51,12 +51,15 @@ def _load(args):
     from harness.spec import load_spec
 
     spec = load_spec(args.spec, args.set)
-    if getattr(args, "steps", None):
-        from harness.spec import parse_spec
+    for flag, key in (("steps", "STEPS"), ("processes", "PROCESSES")):
+        if key == "PROCESSES" and args.command != "run":
+            continue  # parity's --processes adds cells; the base spec stays as written
+        if getattr(args, flag, None):
+            from harness.spec import parse_spec
 
-        raw = spec.to_dict()
-        raw["STEPS"] = args.steps
-        spec = parse_spec(raw)
+            raw = spec.to_dict()
+            raw[key] = getattr(args, flag)
+            spec = parse_spec(raw)
     return spec
 
 
@@ -71,6 +74,11 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     if args.side == "scratch":
         from scratch_grpo.train import train
+    elif spec.PROCESSES > 1:  # torchrun (CPU) or accelerate launch (GPUs), one process each
+        from trl_runner.launch import train_processes
+
+        def train(spec, out, progress):
+            return train_processes(spec, out, None, progress)
     else:
         from trl_runner.runner import train
     from harness.signals import graceful_stop
@@ -92,6 +100,7 @@ def cmd_parity(args) -> int:
         doc = json.loads(prev.read_text())
         spec = _load(args) if args.spec else parse_spec(doc["base_spec"])
         args.out, args.matrix, args.mode = args.resume, doc["matrix"], doc["mode"]
+        args.processes = doc.get("processes", 1)
     elif not args.spec:
         raise InputError("parity needs --spec FILE (or --resume DIR)")
     else:
@@ -117,7 +126,7 @@ def cmd_parity(args) -> int:
 
     with graceful_stop():
         doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print,
-                  resume=bool(args.resume))
+                  resume=bool(args.resume), processes=args.processes)
     text = format_verdict(doc)
     (out / "summary.txt").write_text(text + "\n")
     print()
@@ -215,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("side", choices=("scratch", "trl"), help="which loop")
     spec_args(r)
     r.add_argument("--steps", type=int, help="override STEPS")
+    r.add_argument("--processes", type=int, metavar="N", help="override PROCESSES (the TRL side's process count)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
 
@@ -231,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--matrix", choices=("none", "default", "full"), default="default",
                     help="none: the spec as given, one cell; default: each check toggled alone plus matched pairs; "
                          "full: batch x loss_type x IS")
+    pa.add_argument("--processes", type=int, default=1, metavar="N",
+                    help="add the world-size cells: TRL on N processes (accumulation / N) against the one-process "
+                         "scratch loop, for each loss type")
     pa.add_argument("--quiet", action="store_true", help="no per-step progress")
     pa.add_argument("--verbose", action="store_true", help="per-step progress inside each cell")
     pa.set_defaults(func=cmd_parity)

@@ -79,6 +79,8 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
                    tolerances: dict | None = None, param_rel_l2: list[float] | None = None) -> dict:
     """Per-metric differences of two runs and the first step where any leaves tolerance."""
     tol = tolerances or load_tolerances()
+    procs = [int((df.attrs.get("manifest") or {}).get("processes", 1)) for df in (a, b)]
+    not_decisive = set(tol.get("aggregation", {}).get("per_micro_step", [])) if procs[0] != procs[1] else set()
     ignore = set(tol.get("ignore", {}).get("metrics", [])) | {"step"}
     steps = a.index.intersection(b.index)
     notes = []
@@ -123,8 +125,14 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
             "mean_delta": float((x - y)[both].mean()),
             "first_outside": bad_steps[0] if bad_steps else None, "tolerance": t,
         }
-        if bad_steps:
+        if bad_steps and col in not_decisive:
+            metrics[col]["decisive"] = False
+        elif bad_steps:
             failures.append((bad_steps[0], col))
+    if not_decisive:
+        notes.append(f"{procs[0]} vs {procs[1]} processes: {', '.join(sorted(not_decisive & set(metrics)))} are "
+                     "averaged per micro-step across processes on one side and per micro-batch on the other; "
+                     "reported, not decisive")
     if param_rel_l2 is not None:
         limit = tol.get(mode, {}).get(dtype, {}).get("param_rel_l2", {}).get("max", 1e-5)
         arr = np.asarray(param_rel_l2, dtype=float)

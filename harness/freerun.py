@@ -171,7 +171,12 @@ def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int = DEFA
         seeded = apply_alignment(spec, {"set": {"SEED": spec.SEED + i}})
         for side, fn in (("scratch", train_scratch), ("trl", train_trl)):
             d = Path(out_dir) / side / f"seed-{spec.SEED + i}"
-            fn(seeded, d, progress=progress)
+            if side == "trl" and spec.PROCESSES > 1:
+                from trl_runner.launch import train_processes
+
+                train_processes(seeded, d, None, progress)
+            else:
+                fn(seeded, d, progress=progress)
             runs[side].append(d)
     result = compare_free(runs["scratch"], runs["trl"])
     result["runs"] = {k: [str(p) for p in v] for k, v in runs.items()}
@@ -179,7 +184,8 @@ def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int = DEFA
 
 
 def run_free_matrix(base, out_dir, matrix: str = "default", progress: bool = False, log=print, only=None,
-                    resume: bool = False) -> dict:
+                    resume: bool = False, processes: int = 1) -> dict:
     from harness.matrix import run_matrix
 
-    return run_matrix(base, out_dir, matrix, mode="free", progress=progress, log=log, only=only, resume=resume)
+    return run_matrix(base, out_dir, matrix, mode="free", progress=progress, log=log, only=only, resume=resume,
+                      processes=processes)

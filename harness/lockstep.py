@@ -50,7 +50,7 @@ class RecordingSource:
                 dtype=spec.DTYPE)
             return completions, None
 
-    def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy):
+    def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy, part=(0, 1)):
         completions, logps = self.sample(round_idx, prompt_ids, policy)
         record = {"round": round_idx, "prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logps}
         self.records.append(record)
@@ -76,8 +76,14 @@ class ReplaySource:
     def from_file(cls, path: str | Path) -> "ReplaySource":
         return cls([json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()])
 
-    def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy):
+    def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy, part=(0, 1)):
+        """`part` = (rank, processes): a process of a multi-process side asks for its slice of the round."""
         rec = self.records[round_idx] if round_idx < len(self.records) else None
+        if rec is not None and part[1] > 1:
+            n = len(prompt_ids)
+            sl = slice(part[0] * n, (part[0] + 1) * n)
+            rec = {"prompt_ids": rec["prompt_ids"][sl], "completion_ids": rec["completion_ids"][sl],
+                   "logprobs": rec["logprobs"][sl] if rec.get("logprobs") else None}
         if rec is None or [list(p) for p in prompt_ids] != rec["prompt_ids"]:
             if self.fallback is None:
                 raise RuntimeError(f"lockstep: round {round_idx} asks for prompts the recording does not have: the "

@@ -66,8 +66,21 @@ def _is_sampler(base):
     return {}
 
 
-def build_cells(base, matrix: str) -> list[Cell]:
-    """`none`: the spec as given; `default`: each check toggled alone, plus matched pairs; `full`: the product."""
+def build_cells(base, matrix: str, processes: int = 1) -> list[Cell]:
+    """`none`: the spec as given; `default`: each check toggled alone, plus matched pairs; `full`: the product.
+    `processes` > 1 adds the world-size equivalence class: TRL on that many processes (accumulation divided
+    by it) against the one-process scratch loop, both set up alike, for each loss type."""
+    cells = _build_cells(base, matrix)
+    if processes > 1:
+        for lt, norm in LOSS_TYPES.items():
+            cells.append(Cell(f"processes={processes}:loss_type={norm}", {"processes": processes, "loss_type": norm},
+                              _variant(base, PROCESSES=processes, LOSS_NORM=lt),
+                              # bnpo divides by each process's own micro-batch: it cannot match one process's split
+                              "diverged" if norm == "bnpo" else "parity"))
+    return cells
+
+
+def _build_cells(base, matrix: str) -> list[Cell]:
     if matrix == "none":
         _tr, diffs, _facts = preflight(base)
         return [Cell("as-given", {}, base, "diverged" if diffs else "parity",
@@ -133,6 +146,18 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
         from harness.freerun import run_free_pair
 
         return run_free_pair(spec, out_dir, progress)
+    if spec.PROCESSES > 1:  # TRL under torchrun/accelerate, each process replaying its slice of the rollouts
+        from harness.lockstep import ROLLOUTS_FILE, RecordingSource
+        from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+        from trl_runner.launch import train_processes
+
+        ckpt = checkpoint_dir(spec)
+        tok = load_tokenizer(ckpt)
+        eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
+        source = RecordingSource(spec, eos, tok.pad_token_id, resolve_device(spec), out_dir / ROLLOUTS_FILE)
+        train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
+        train_processes(spec, out_dir / "trl", out_dir / ROLLOUTS_FILE, progress)
+        return compare_runs(out_dir / "scratch", out_dir / "trl", mode="lockstep", dtype=spec.DTYPE)
     from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
 
@@ -229,18 +254,19 @@ def _summary_metrics(result: dict) -> dict:
 
 
 def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
-               log=print, only: list[str] | None = None, resume: bool = False) -> dict:
+               log=print, only: list[str] | None = None, resume: bool = False, processes: int = 1) -> dict:
     """Run every cell, writing verdict.json after each. `resume`: keep the cells an earlier run of the same
     spec, matrix and mode finished in `out_dir` (a cell cut short is run again from its start)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = build_cells(base, matrix)
+    cells = build_cells(base, matrix, processes)
     if only:
         cells = [c for c in cells if c.name in only]
     done = {}
     if resume and (out_dir / "verdict.json").exists():
         old = json.loads((out_dir / "verdict.json").read_text())
-        if old.get("base_spec") == base.to_dict() and old.get("matrix") == matrix and old.get("mode") == mode:
+        if (old.get("base_spec"), old.get("matrix"), old.get("mode"), old.get("processes", 1)) == \
+                (base.to_dict(), matrix, mode, processes):
             done = {c["name"]: c for c in old["cells"] if c.get("verdict") in ("parity", "diverged")}
         else:
             log("resume: the earlier run in this folder used another spec, matrix or mode; starting over")
@@ -277,8 +303,8 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         v["wall_s"] = round(time.perf_counter() - t0, 1)
         verdicts.append(v)
         log("    " + _cell_line(v))
-        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, verdicts, t_start))
-    doc = _verdict_doc(base, matrix, mode, verdicts, t_start)
+        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, verdicts, t_start, processes))
+    doc = _verdict_doc(base, matrix, mode, verdicts, t_start, processes)
     _write_json(out_dir / "verdict.json", doc)
     return doc
 
@@ -296,11 +322,11 @@ def _json_default(o):
     return str(o)
 
 
-def _verdict_doc(base, matrix, mode, verdicts, t_start) -> dict:
+def _verdict_doc(base, matrix, mode, verdicts, t_start, processes) -> dict:
     from harness.runlog import library_versions
 
     return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
-            "base_spec": base.to_dict(), "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1),
+            "base_spec": base.to_dict(), "processes": processes, "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1),
             "versions": library_versions()}
 
 

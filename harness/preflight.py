@@ -59,9 +59,10 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
     kw = tr.kwargs
     G = kw["num_generations"]
     ga = kw["gradient_accumulation_steps"]
+    n = spec.PROCESSES
     spg = kw.get("steps_per_generation") or ga
-    trl_seqs = kw["per_device_train_batch_size"] * ga
-    trl_gen = kw.get("generation_batch_size") or kw["per_device_train_batch_size"] * spg
+    trl_seqs = kw["per_device_train_batch_size"] * ga * n
+    trl_gen = kw.get("generation_batch_size") or kw["per_device_train_batch_size"] * spg * n
     emulated_or_vllm = spec.sampler.kind in ("emulated", "vllm") or kw.get("use_vllm")
     trl_is = bool(emulated_or_vllm and kw["vllm_importance_sampling_correction"])
     scratch_is = bool(spec.sampler.kind != "policy" and spec.IS_CORRECTION)
@@ -82,8 +83,8 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
                                          q["prompts per optimizer step"][4])
     q["completions per prompt"] = (spec.GROUP_SIZE, G, ("GROUP_SIZE", "num_generations"), "batch",
                                    trl_override("num_generations"))
-    q["micro-batches per step"] = (spec.GRAD_ACCUM, ga, ("GRAD_ACCUM", "gradient_accumulation_steps"), "batch",
-                                   trl_override("gradient_accumulation_steps"))
+    q["micro-batches per step (all processes)"] = (spec.GRAD_ACCUM, ga * n, ("GRAD_ACCUM", "gradient_accumulation_steps"),
+                                                   "batch", trl_override("gradient_accumulation_steps"))
     q["sequences per micro-batch"] = (spec.micro_batch_size, kw["per_device_train_batch_size"],
                                       q["prompts per optimizer step"][2], "batch", q["prompts per optimizer step"][4])
     q["generation batch (sequences)"] = (spec.sequences_per_step, trl_gen,
@@ -96,8 +97,10 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
                                           q["prompts per optimizer step"][2], "batch", q["prompts per optimizer step"][4])
     q["prompt order"] = ("shared schedule", "TRL's own shuffle" if kw["shuffle_dataset"] else "shared schedule",
                          ("shuffle_dataset",), "batch", trl_override("shuffle_dataset"))
-    q["loss normalizer"] = (spec.LOSS_NORM, NORM_OF_LOSS_TYPE.get(kw["loss_type"], kw["loss_type"]),
-                            ("LOSS_NORM", "loss_type"), "loss_type", trl_override("loss_type"))
+    trl_norm = NORM_OF_LOSS_TYPE.get(kw["loss_type"], kw["loss_type"])
+    if trl_norm == "token_local" and n > 1:  # bnpo divides by each process's own micro-batch: not the scratch split
+        trl_norm = f"token_local per process ({n} processes)"
+    q["loss normalizer"] = (spec.LOSS_NORM, trl_norm, ("LOSS_NORM", "loss_type"), "loss_type", trl_override("loss_type"))
     q["IS correction"] = ("on" if scratch_is else "off", "on" if trl_is else "off",
                           ("IS_CORRECTION", "vllm_importance_sampling_correction"), "importance_sampling",
                           trl_override("vllm_importance_sampling_correction", "use_vllm"))

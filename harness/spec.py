@@ -120,6 +120,9 @@ class Spec:
                          "has no group to normalise against.", min=2)
     GRAD_ACCUM: int = _f(1, "Micro-batches per optimizer step (gradient accumulation). Must divide "
                          "PROMPTS_PER_STEP x GROUP_SIZE.", min=1)
+    PROCESSES: int = _f(1, "Processes the TRL side runs on (torchrun on CPU with gloo, accelerate launch on GPUs). "
+                        "Its accumulation becomes GRAD_ACCUM / PROCESSES, so the effective batch stays PROMPTS_PER_STEP x "
+                        "GROUP_SIZE; the scratch loop stays one process.", min=1, max=64)
     BATCH_MAPPING: str = _f("matched", "How the TRL runner maps the batch: `matched` (per_device_train_batch_size "
                             "x gradient_accumulation_steps = PROMPTS_PER_STEP x GROUP_SIZE) or `naive` (the lesson's "
                             "mistake: per_device_train_batch_size = PROMPTS_PER_STEP).", choices=("matched", "naive"))
@@ -266,6 +269,12 @@ def _cross_checks(spec: Spec) -> None:
     if n_seq % spec.GRAD_ACCUM:
         raise SpecError("GRAD_ACCUM", f"{spec.GRAD_ACCUM} does not divide PROMPTS_PER_STEP x GROUP_SIZE = "
                         f"{spec.PROMPTS_PER_STEP} x {spec.GROUP_SIZE} = {n_seq}; pick a divisor of {n_seq}")
+    if spec.GRAD_ACCUM % spec.PROCESSES:
+        raise SpecError("PROCESSES", f"{spec.PROCESSES} processes must divide GRAD_ACCUM = {spec.GRAD_ACCUM} (TRL's "
+                        f"accumulation becomes GRAD_ACCUM / PROCESSES); pick a divisor of {spec.GRAD_ACCUM}")
+    if spec.PROMPTS_PER_STEP % spec.PROCESSES:
+        raise SpecError("PROCESSES", f"{spec.PROCESSES} processes must divide PROMPTS_PER_STEP = {spec.PROMPTS_PER_STEP} "
+                        "so that every process holds whole groups of completions")
     if spec.BATCH_MAPPING == "naive" and (spec.PROMPTS_PER_STEP * spec.GRAD_ACCUM) % spec.GROUP_SIZE:
         raise SpecError("BATCH_MAPPING", f"the naive mapping sets per_device_train_batch_size = PROMPTS_PER_STEP = "
                         f"{spec.PROMPTS_PER_STEP}, and TRL needs its generation batch "

@@ -50,10 +50,16 @@ class HarnessGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         out = super()._generate_and_score_completions(inputs)
         if mode == "train":
+            from accelerate.utils import gather_object
+
+            # what every process consumed, in rank order (each holds whole groups: the spec checks it)
+            local = {"prompt_idx": [int(x["prompt_idx"]) for x in inputs[:: self.num_generations]],
+                     "sequences": len(inputs), "tokens": self._harness_tokens}
+            parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
             self.harness_generations.append({
-                "prompt_idx": [int(x["prompt_idx"]) for x in inputs[:: self.num_generations]],
-                "sequences": len(inputs),
-                "tokens": self._harness_tokens,  # prompt + completion tokens as generated (before any masking)
+                "prompt_idx": [i for part in parts for i in part["prompt_idx"]],
+                "sequences": sum(part["sequences"] for part in parts),
+                "tokens": sum(part["tokens"] for part in parts),  # prompt + completion tokens as generated
             })
             if self.harness_lockstep_seed is not None:
                 # lockstep: pin the micro-batch shuffle TRL is about to draw (torch.randperm on the global RNG)
@@ -156,6 +162,26 @@ class TRLSamplerAdapter:
         return prompts, completions, [[[lp] for lp in seq] for seq in logps], None
 
 
+class _SilentWriter:
+    """What processes other than the first write: nothing (the first one logs the gathered step)."""
+
+    def __init__(self, spec):
+        self.manifest = {"spec": spec.to_dict()}
+        self.dir = None
+
+    def log_step(self, row):
+        pass
+
+    def log_completions(self, step, samples):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 class _NoSync:
     """Lockstep with an emulated sampler: the rollouts come from outside, there are no weights to push."""
 
@@ -170,9 +196,11 @@ def make_rollout_func(rollout_source, tokenizer, max_prompt_tokens: int):
     state = {"round": 0}
 
     def rollout_func(prompts, trainer):
-        # TRL 1.16 passes the prompts already repeated num_generations times and wants one completion each
+        # TRL 1.16 passes this process's prompts, already repeated num_generations times, and wants one
+        # completion each; with several processes each asks for its slice of the round
         prompt_ids = encode_prompts(tokenizer, prompts, max_prompt_tokens)
-        completion_ids, logps = rollout_source(state["round"], prompt_ids, trainer.model)
+        part = (trainer.accelerator.process_index, trainer.accelerator.num_processes)
+        completion_ids, logps = rollout_source(state["round"], prompt_ids, trainer.model, part=part)
         state["round"] += 1
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logps}
 
@@ -193,6 +221,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     translation = translate(spec)  # refuses bad [trl] fields before any model loads
     out_dir = Path(out_dir)
     device = resolve_device(spec)
+    from accelerate import PartialState
+
+    main = PartialState(cpu=spec.DEVICE == "cpu").is_main_process  # several processes: the first one writes
     rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
     # the shared schedule, long enough for whatever TRL takes per step (the naive mapping takes fewer)
     rounds = math.ceil(spec.STEPS / spec.NUM_ITERATIONS)
@@ -215,8 +246,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     extra = {"checkpoint": str(ckpt), "trl_config": {k: v for k, v in translation.kwargs.items()},
              "sampler": sampler.describe() if sampler else spec.sampler.kind,
              "rollouts": "external (lockstep)" if rollout_source else "own"}
-    writer = RunWriter(out_dir, "trl", spec, device, extra)
-    write_mapping(translation, out_dir / "mapping.json")
+    if main:
+        writer = RunWriter(out_dir, "trl", spec, device, {**extra, "processes": spec.PROCESSES})
+        write_mapping(translation, out_dir / "mapping.json")
+    else:
+        writer = _SilentWriter(spec)
     with writer:
         trainer = HarnessGRPOTrainer(
             model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
@@ -233,9 +267,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
         # TRL's printers would echo every log dict; the metric log and our own progress line replace them
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-        callback = MetricLogCallback(writer, len(rows), device, progress)
+        callback = MetricLogCallback(writer, len(rows), device, progress and main)
         callback.trainer = trainer
-        callback.sketch = ParamSketch(model, writer.dir, seed=spec.SEED)
+        callback.sketch = ParamSketch(model, writer.dir, seed=spec.SEED) if main else None
         trainer.add_callback(callback)
         trainer.train()
     return writer.dir

@@ -65,22 +65,23 @@ def _row(check, scratch_name, scratch_value, trl_field, trl_value, note=""):
             "trl_value": trl_value, "note": note}
 
 
-def translate(spec, processes: int = 1) -> Translation:
-    """Translate `spec` into GRPOConfig kwargs; raises SpecError for fields the installed TRL lacks."""
+def translate(spec) -> Translation:
+    """Translate `spec` into GRPOConfig kwargs; raises SpecError for fields the installed TRL lacks.
+
+    With PROCESSES = N the TRL side accumulates GRAD_ACCUM / N micro-batches per process, so N processes x
+    GRAD_ACCUM / N micro-batches hold the scratch loop's GRAD_ACCUM micro-batches of the same size."""
     known = grpo_config_fields()
     version = trl_version()
-    G, P, GA = spec.GROUP_SIZE, spec.PROMPTS_PER_STEP, spec.GRAD_ACCUM
+    G, P, GA, processes = spec.GROUP_SIZE, spec.PROMPTS_PER_STEP, spec.GRAD_ACCUM, spec.PROCESSES
+    ga = GA // processes
     if spec.BATCH_MAPPING == "matched":
-        per_device = P * G // (GA * processes)
-        if per_device * GA * processes != P * G:
-            raise SpecError("GRAD_ACCUM", f"PROMPTS_PER_STEP x GROUP_SIZE = {P * G} sequences cannot be split into "
-                            f"{GA} micro-batches x {processes} processes")
+        per_device = P * G // GA
     else:  # the lesson's mistake, kept as a named variant for the matrix
         per_device = P
     kw = {
         "num_generations": G,
         "per_device_train_batch_size": per_device,
-        "gradient_accumulation_steps": GA,
+        "gradient_accumulation_steps": ga,
         "max_completion_length": spec.MAX_TOKENS,
         "temperature": spec.TEMPERATURE, "top_p": spec.TOP_P, "top_k": spec.TOP_K,
         "loss_type": LOSS_TYPES[spec.LOSS_NORM],
@@ -127,7 +128,7 @@ def translate(spec, processes: int = 1) -> Translation:
     if gen_batch % final["num_generations"]:
         raise SpecError("BATCH_MAPPING", f"TRL's generation batch ({gen_batch} sequences) is not a multiple of "
                         f"num_generations ({final['num_generations']}); TRL would refuse to start")
-    table = mapping_table(spec, final, overrides, processes)
+    table = mapping_table(spec, final, overrides)
     translation = Translation(kwargs=final, table=table, overrides=overrides,
                               prompts_per_step=seqs // final["num_generations"], sequences_per_step=seqs)
     # GRPOConfig's own checks (value types, batch divisibility), still before any model. A GPU spec checked on a
@@ -145,9 +146,9 @@ def translate(spec, processes: int = 1) -> Translation:
     return translation
 
 
-def mapping_table(spec, kw: dict, overrides: dict, processes: int = 1) -> list[dict]:
+def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     """The lesson's parameter table, made real: scratch name, TRL field, both values, and a note."""
-    G = kw["num_generations"]
+    G, processes = kw["num_generations"], spec.PROCESSES
     seqs = kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] * processes
     T = []
     T.append(_row("batch", "PROMPTS_PER_STEP x GROUP_SIZE", f"{spec.PROMPTS_PER_STEP} x {spec.GROUP_SIZE} = "
@@ -158,9 +159,9 @@ def mapping_table(spec, kw: dict, overrides: dict, processes: int = 1) -> list[d
                   "per_device_train_batch_size counts completions, not prompts (TRL #2776)"
                   + ("; the naive mapping halves or worse the prompts per step" if spec.BATCH_MAPPING == "naive" else "")))
     T.append(_row("batch", "GROUP_SIZE", spec.GROUP_SIZE, "num_generations", G))
-    T.append(_row("batch", "GRAD_ACCUM", spec.GRAD_ACCUM, "gradient_accumulation_steps",
+    T.append(_row("batch", "GRAD_ACCUM / PROCESSES", f"{spec.GRAD_ACCUM} / {processes}", "gradient_accumulation_steps",
                   kw["gradient_accumulation_steps"], "steps_per_generation defaults to it: one generation per "
-                  "optimizer step, shuffled with torch.randperm and cut into micro-batches"))
+                  "optimizer step, shuffled with torch.randperm and cut into micro-batches (per process)"))
     T.append(_row("loss_type", "LOSS_NORM", spec.LOSS_NORM, "loss_type", kw["loss_type"],
                   "TRL's default is dapo (token_global); a hand-written loop usually averages per sequence"))
     T.append(_row("importance_sampling", "IS_CORRECTION / sampler.kind",
