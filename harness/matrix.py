@@ -326,8 +326,8 @@ def _verdict_doc(base, matrix, mode, verdicts, t_start, processes) -> dict:
     from harness.runlog import library_versions
 
     return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
-            "base_spec": base.to_dict(), "processes": processes, "cells": verdicts, "elapsed_s": round(time.perf_counter() - t_start, 1),
-            "versions": library_versions()}
+            "base_spec": base.to_dict(), "processes": processes, "cells": verdicts,
+            "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
 
 
 def _dirname(name: str) -> str:
