@@ -74,16 +74,25 @@ def main(argv=None) -> int:
         from harness.lockstep import ReplaySource
 
         source = ReplaySource.from_file(args.rollouts)
+    code = 0
     try:
         train(spec, args.out, rollout_source=source, progress=os.environ.get("GRPO_PARITY_PROGRESS") == "1",
               lockstep=source is not None)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1
     finally:
-        # an exit with the gloo process group still up can abort ("terminate called without an active exception")
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    # Leave without C++ static teardown: with gloo, rank 0 sometimes aborted there ("terminate called without
+    # an active exception") after a finished run. Every log line is already fsync'ed, the manifest written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
