@@ -11,7 +11,6 @@ otherwise it stays a suspicion.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -21,7 +20,6 @@ from pathlib import Path
 
 from harness.compare import compare_runs
 from harness.preflight import CHECK_ORDER, alignment_for, apply_alignment, preflight
-from harness.spec import parse_spec
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
@@ -46,18 +44,9 @@ class Cell:
     expected_cause: str | None = None
 
 
-def _variant(base, **changes):
-    """A copy of the base spec with top-level keys, dotted table keys, and `trl` entries changed."""
-    raw = copy.deepcopy(base.to_dict())
-    for key, value in changes.items():
-        if key == "trl":
-            raw["trl"].update(value)
-            continue
-        node, parts = raw, key.split("__")
-        for p in parts[:-1]:
-            node = node[p]
-        node[parts[-1]] = value
-    return parse_spec(raw)
+def _variant(base, trl: dict | None = None, **changes):
+    """A copy of the base spec with keys changed (`table__key` for a table's key) and `[trl]` entries added."""
+    return apply_alignment(base, {"set": {k.replace("__", "."): v for k, v in changes.items()}, "set_trl": trl or {}})
 
 
 def _is_sampler(base):
@@ -138,6 +127,8 @@ def _build_cells(base, matrix: str) -> list[Cell]:
 # ---------------------------------------------------------------------------------------------
 def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False) -> dict:
     """Both loops on `spec` into out_dir/{scratch,trl}; returns the comparison."""
+    from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
+    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 
@@ -146,34 +137,25 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
         from harness.freerun import run_free_pair
 
         return run_free_pair(spec, out_dir, progress)
-    if spec.PROCESSES > 1:  # TRL under torchrun/accelerate, each process replaying its slice of the rollouts
-        from harness.lockstep import ROLLOUTS_FILE, RecordingSource
-        from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
-        from trl_runner.launch import train_processes
-
-        ckpt = checkpoint_dir(spec)
-        tok = load_tokenizer(ckpt)
-        eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
-        source = RecordingSource(spec, eos, tok.pad_token_id, resolve_device(spec), out_dir / ROLLOUTS_FILE)
-        train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
-        train_processes(spec, out_dir / "trl", out_dir / ROLLOUTS_FILE, progress)
-        return compare_runs(out_dir / "scratch", out_dir / "trl", mode="lockstep", dtype=spec.DTYPE)
-    from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
-    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
-
     ckpt = checkpoint_dir(spec)
     tok = load_tokenizer(ckpt)
     device = resolve_device(spec)
     eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
     source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
     train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
-    replay = ReplaySource(source.records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
-    train_trl(spec, out_dir / "trl", rollout_source=replay, progress=progress, lockstep=True)
+    broken = []
+    if spec.PROCESSES > 1:  # TRL under torchrun/accelerate, each process replaying its slice of the rollouts
+        from trl_runner.launch import train_processes
+
+        train_processes(spec, out_dir / "trl", out_dir / ROLLOUTS_FILE, progress)
+    else:
+        replay = ReplaySource(source.records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
+        train_trl(spec, out_dir / "trl", rollout_source=replay, progress=progress, lockstep=True)
+        broken = replay.broken_rounds
     result = compare_runs(out_dir / "scratch", out_dir / "trl", mode="lockstep", dtype=spec.DTYPE)
-    if replay.broken_rounds:
-        result["notes"].append(f"lockstep broke at {len(replay.broken_rounds)} round(s) (first: round "
-                               f"{replay.broken_rounds[0] + 1}): TRL asked for prompts the scratch loop did not use, "
-                               "so it sampled them from its own weights")
+    if broken:
+        result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
+                               "for prompts the scratch loop did not use, so it sampled them from its own weights")
     return result
 
 

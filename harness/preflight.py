@@ -187,7 +187,8 @@ def alignment_for(diffs: list[Difference], check: str) -> dict:
 
 
 def apply_alignment(spec, align: dict):
-    """A copy of `spec` with differences aligned: spec keys set, [trl] overrides dropped."""
+    """A copy of `spec` changed as `align` says: `set` spec keys (dotted for tables), `drop_trl` [trl] overrides,
+    `set_trl` [trl] overrides."""
     from harness.spec import parse_spec
 
     raw = copy.deepcopy(spec.to_dict())
@@ -199,6 +200,7 @@ def apply_alignment(spec, align: dict):
         node[leaf] = value
     for key in align.get("drop_trl", []):
         raw["trl"].pop(key, None)
+    raw["trl"].update(align.get("set_trl", {}))
     return parse_spec(raw)
 
 
