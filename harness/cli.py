@@ -30,11 +30,14 @@ class InputError(ValueError):
     """Bad input found before any model loads (exit 2)."""
 
 
-def check_inputs(spec) -> None:
+def check_inputs(spec, scratch: bool = True) -> None:
     """Everything that can be checked without loading weights: data rows, model paths, TRL fields."""
     from harness.data import DataError, load_rows, to_prompt_rows
     from harness.models import ModelSourceError
 
+    if scratch and spec.sampler.kind == "vllm":
+        raise InputError("sampler.kind = \"vllm\": the scratch loop has no vLLM path yet (the GPU issue); run the "
+                         "TRL side alone (`run trl`), or use sampler.kind = \"emulated\" for both loops")
     try:
         to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
         if spec.data.source == "synthetic":
@@ -65,7 +68,7 @@ def _load(args):
 
 def cmd_run(args) -> int:
     spec = _load(args)
-    check_inputs(spec)
+    check_inputs(spec, scratch=args.side == "scratch")
     if args.side == "trl":
         from trl_runner.translate import translate
 
@@ -140,13 +143,21 @@ def cmd_parity(args) -> int:
 
 
 def cmd_preflight(args) -> int:
+    """Needs neither the model nor the data: it runs anywhere, before any GPU time is spent."""
     spec = _load(args)
-    check_inputs(spec)
-    from harness.data import load_rows
+    from harness.data import DataError, load_rows
     from harness.preflight import format_preflight, preflight
     from trl_runner.translate import format_mapping
 
-    tr, diffs, facts = preflight(spec, n_rows=len(load_rows(spec.data)) if spec.data.source != "gsm8k" else None)
+    n_rows = None
+    if spec.data.source != "gsm8k":  # local data: count it for the steps-per-epoch line
+        try:
+            n_rows = len(load_rows(spec.data))
+        except (DataError, OSError, ValueError) as e:
+            print(f"note: data not readable here ({e}); steps per epoch left out")
+    tr, diffs, facts = preflight(spec, n_rows=n_rows)
+    if spec.sampler.kind == "vllm":
+        print("note: the scratch loop has no vLLM path yet; parity needs sampler.kind = \"emulated\" or \"policy\"")
     print(format_mapping(tr.table))
     print()
     print(format_preflight(facts, diffs))
@@ -178,7 +189,7 @@ def cmd_compare(args) -> int:
 
 def cmd_record(args) -> int:
     spec = _load(args)
-    check_inputs(spec)
+    check_inputs(spec, scratch=True)
     from harness.record import RecordError, record
 
     try:
@@ -198,7 +209,7 @@ def cmd_spec_help(args) -> int:
 
 def cmd_validate(args) -> int:
     spec = _load(args)
-    check_inputs(spec)
+    check_inputs(spec, scratch=False)
     from trl_runner.translate import translate
 
     translate(spec)

@@ -152,10 +152,10 @@ class Spec:
     KL_IS_CORRECTION: bool = _f(True, "Multiply the per-token KL by the policy ratio (TRL: use_bias_correction_kl, "
                                 "on by default). Only matters when BETA > 0.")
     NUM_ITERATIONS: int = _f(1, "Optimizer passes over each generated batch (GRPO's mu).", min=1)
-    LOGP_OLD: str = _f("auto", "Where logp_old comes from: `auto` (an extra no-grad forward pass when it can differ "
-                       "from the current policy, i.e. NUM_ITERATIONS > 1 or an external sampler; otherwise the "
-                       "detached current log-probs, exactly as TRL) or `forward` (always the extra pass: the "
-                       "lesson's plan A).", choices=("auto", "forward"))
+    LOGP_OLD: str = _f("auto", "Where logp_old comes from: `auto` (an extra no-grad forward pass exactly when TRL "
+                       "runs one: NUM_ITERATIONS > 1 or the IS correction on; otherwise the detached current "
+                       "log-probs, so the ratio is exactly 1) or `forward` (always the extra pass: the lesson's "
+                       "plan A).", choices=("auto", "forward"))
     MASK_TRUNCATED: bool = _f(False, "Drop completions that hit MAX_TOKENS without eos from the loss "
                               "(TRL: mask_truncated_completions).")
     # --- importance-sampling correction (only with an external sampler) ---

@@ -64,6 +64,11 @@ def test_preflight_cli_exit_codes(tmp_path):
     assert r.returncode == 1 and "[loss_type] loss normalizer: scratch 'sequence' vs TRL 'token_global'" in r.stdout
     assert "per_device_train_batch_size" in r.stdout  # the mapping table comes first
     assert run("preflight", "--spec", str(DEFAULT_SPEC), "--set", "STEPS=0").returncode == 2
+    # the lesson's GPU spec is checked here without its model, data or GPU
+    r = run("preflight", "--spec", str(LESSON_SPEC))
+    assert r.returncode == 0 and "aligned" in r.stdout and "no vLLM path yet" in r.stdout and "no GPU" in r.stdout
+    r = run("run", "scratch", "--spec", str(LESSON_SPEC), "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "no vLLM path yet" in r.stderr
 
 
 # ---- comparator ---------------------------------------------------------------------------------------------
