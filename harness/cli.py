@@ -129,7 +129,7 @@ def cmd_parity(args) -> int:
 
     with graceful_stop():
         doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print,
-                  resume=bool(args.resume), processes=args.processes)
+                  resume=bool(args.resume), processes=args.processes, jobs=args.jobs)
     text = format_verdict(doc)
     (out / "summary.txt").write_text(text + "\n")
     print()
@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--processes", type=int, default=1, metavar="N",
                     help="add the world-size cells: TRL on N processes (accumulation / N) against the one-process "
                          "scratch loop, for each loss type")
+    pa.add_argument("--jobs", type=int, default=1, metavar="K",
+                    help="run K independent cells at once, one GPU each where there are GPUs (default 1)")
     pa.add_argument("--quiet", action="store_true", help="no per-step progress")
     pa.add_argument("--verbose", action="store_true", help="per-step progress inside each cell")
     pa.set_defaults(func=cmd_parity)

@@ -184,8 +184,8 @@ def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int = DEFA
 
 
 def run_free_matrix(base, out_dir, matrix: str = "default", progress: bool = False, log=print, only=None,
-                    resume: bool = False, processes: int = 1) -> dict:
+                    resume: bool = False, processes: int = 1, jobs: int = 1) -> dict:
     from harness.matrix import run_matrix
 
     return run_matrix(base, out_dir, matrix, mode="free", progress=progress, log=log, only=only, resume=resume,
-                      processes=processes)
+                      processes=processes, jobs=jobs)

@@ -235,10 +235,45 @@ def _summary_metrics(result: dict) -> dict:
     return keep
 
 
+def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool = False, log=print) -> dict:
+    """One cell: both loops, the comparison, the attribution. Never raises for a failing run: the verdict says."""
+    t0 = time.perf_counter()
+    v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
+         "expected_cause": cell.expected_cause}
+    try:
+        result = run_pair(cell.spec, cell_dir, mode, progress)
+        v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
+        v["first_divergence"] = result["first_divergence"]
+        details = attribute(cell, result, cell_dir, mode, progress, log)
+        v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
+        v["attribution_detail"] = details
+        v["metrics"] = _summary_metrics(result)
+        v["only_in"] = {"scratch": result["only_in_a"], "trl": result["only_in_b"]}
+        v["notes"] = result["notes"]
+    except Exception as e:  # one failing cell never takes the others down
+        v.update(verdict="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
+                 first_divergence=None, attribution=[], metrics={})
+    v["ok"] = v["verdict"] == cell.expected and (
+        cell.expected_cause is None or (v["attribution"][:1] == [cell.expected_cause] and
+                                        v["attribution_detail"][0]["status"] == "confirmed"))
+    v["wall_s"] = round(time.perf_counter() - t0, 1)
+    return v
+
+
+def _claim_gpu(gpus) -> None:
+    """Worker start-up (--jobs): take one GPU for this worker's lifetime, before torch sees any."""
+    if gpus is not None:
+        import os
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus.get())
+
+
 def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
-               log=print, only: list[str] | None = None, resume: bool = False, processes: int = 1) -> dict:
+               log=print, only: list[str] | None = None, resume: bool = False, processes: int = 1,
+               jobs: int = 1) -> dict:
     """Run every cell, writing verdict.json after each. `resume`: keep the cells an earlier run of the same
-    spec, matrix and mode finished in `out_dir` (a cell cut short is run again from its start)."""
+    spec, matrix and mode finished in `out_dir` (a cell cut short is run again from its start). `jobs` > 1:
+    independent cells in that many worker processes, one GPU each where there are GPUs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = build_cells(base, matrix, processes)
@@ -252,41 +287,48 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
             done = {c["name"]: c for c in old["cells"] if c.get("verdict") in ("parity", "diverged")}
         else:
             log("resume: the earlier run in this folder used another spec, matrix or mode; starting over")
-    verdicts = []
+    results = dict(done)
     t_start = time.perf_counter()
+
+    def finished(v: dict) -> None:
+        results[v["name"]] = v
+        log(f"    {v['name']}: " + _cell_line(v))
+        ordered = [results[c.name] for c in cells if c.name in results]
+        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes))
+
+    pending = []
     for i, cell in enumerate(cells, 1):
         if cell.name in done:
             log(f"[cell {i}/{len(cells)}] {cell.name}: finished earlier, kept")
-            verdicts.append(done[cell.name])
-            continue
-        elapsed = time.perf_counter() - t_start
-        eta = f", eta {elapsed / (i - 1) * (len(cells) - i + 1):.0f} s" if i > 1 else ""
-        log(f"[cell {i}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
-        cell_dir = out_dir / _dirname(cell.name)
-        t0 = time.perf_counter()
-        v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
-             "expected_cause": cell.expected_cause}
-        try:
-            result = run_pair(cell.spec, cell_dir, mode, progress)
-            v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
-            v["first_divergence"] = result["first_divergence"]
-            details = attribute(cell, result, cell_dir, mode, progress, log)
-            v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
-            v["attribution_detail"] = details
-            v["metrics"] = _summary_metrics(result)
-            v["only_in"] = {"scratch": result["only_in_a"], "trl": result["only_in_b"]}
-            v["notes"] = result["notes"]
-        except Exception as e:  # one failing cell never takes the others down
-            v.update(verdict="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
-                     first_divergence=None, attribution=[], metrics={})
-        v["ok"] = v["verdict"] == cell.expected and (
-            cell.expected_cause is None or (v["attribution"][:1] == [cell.expected_cause] and
-                                            v["attribution_detail"][0]["status"] == "confirmed"))
-        v["wall_s"] = round(time.perf_counter() - t0, 1)
-        verdicts.append(v)
-        log("    " + _cell_line(v))
-        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, verdicts, t_start, processes))
-    doc = _verdict_doc(base, matrix, mode, verdicts, t_start, processes)
+        else:
+            pending.append(cell)
+    if jobs <= 1:
+        for n, cell in enumerate(pending, 1):
+            elapsed = time.perf_counter() - t_start
+            eta = f", eta {elapsed / (n - 1) * (len(pending) - n + 1):.0f} s" if n > 1 else ""
+            log(f"[cell {len(results) + 1}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
+            finished(run_cell(cell, out_dir / _dirname(cell.name), mode, progress, log))
+    elif pending:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        import torch
+
+        ctx = multiprocessing.get_context("spawn")  # fresh workers: CUDA_VISIBLE_DEVICES is read at their start
+        gpus = None
+        if torch.cuda.is_available():
+            gpus = ctx.Manager().Queue()
+            for g in range(torch.cuda.device_count()):
+                gpus.put(g)
+            jobs = min(jobs, torch.cuda.device_count())
+        log(f"running {len(pending)} cells on {jobs} workers" + (" (one GPU each)" if gpus is not None else ""))
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_claim_gpu, initargs=(gpus,)) as ex:
+            futures = {ex.submit(run_cell, cell, out_dir / _dirname(cell.name), mode, False, print): cell
+                       for cell in pending}
+            for fut in as_completed(futures):
+                finished(fut.result())
+    ordered = [results[c.name] for c in cells if c.name in results]
+    doc = _verdict_doc(base, matrix, mode, ordered, t_start, processes)
     _write_json(out_dir / "verdict.json", doc)
     return doc
 

@@ -87,3 +87,14 @@ def test_full_matrix_cells_and_expectations():
     assert parity == ["matched"]
     naive_dapo = next(c for c in cells if c.name == "batch=naive,loss_type=dapo")
     assert naive_dapo.expected_cause == "batch"  # the lesson's order: batch first
+
+
+def test_jobs_run_cells_in_parallel_workers_with_the_same_verdicts(tmp_path):
+    """--jobs K: independent cells in K worker processes (one GPU each on a GPU host); same answers as one by one."""
+    only = ["matched", "batch=naive", "loss_type=dapo"]
+    spec = small_spec("STEPS=3")
+    one = M.run_matrix(spec, tmp_path / "one", "default", log=lambda *_: None, only=only)
+    two = M.run_matrix(spec, tmp_path / "two", "default", log=lambda *_: None, only=only, jobs=2)
+    strip = lambda doc: [(c["name"], c["verdict"], c["first_divergence"], c["attribution"]) for c in doc["cells"]]  # noqa: E731
+    assert strip(one) == strip(two) and two["ok"]
+    assert [c["name"] for c in json.loads((tmp_path / "two" / "verdict.json").read_text())["cells"]] == only
