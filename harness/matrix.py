@@ -128,7 +128,7 @@ def _build_cells(base, matrix: str) -> list[Cell]:
 def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False) -> dict:
     """Both loops on `spec` into out_dir/{scratch,trl}; returns the comparison."""
     from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
-    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+    from harness.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer, resolve_device
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 
@@ -140,7 +140,7 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     ckpt = checkpoint_dir(spec)
     tok = load_tokenizer(ckpt)
     device = resolve_device(spec)
-    eos = eos_token_ids(load_model(ckpt, "float32", "cpu"), tok)
+    eos = eos_token_ids(generation_config(ckpt), tok)  # no weights loaded just for this
     source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
     train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
     broken = []

@@ -96,9 +96,20 @@ def load_model(path: Path, dtype: str, device: str):
     return model.to(device)
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos and all the model's generation eos ids (as TRL)."""
-    ids = model.generation_config.eos_token_id
+def generation_config(path: Path):
+    """A checkpoint's generation config without loading its weights (what from_pretrained would attach)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: derived from the model config, as transformers does
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+
+
+def eos_token_ids(gen_config, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and all the model's generation eos ids (as TRL).
+    `gen_config`: a model's `generation_config`, or `generation_config(checkpoint)` when no model is loaded."""
+    ids = gen_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id not in ids:
         ids = [tokenizer.eos_token_id, *ids]

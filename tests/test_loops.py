@@ -13,7 +13,7 @@ import torch
 
 from conftest import DEFAULT_SPEC, ROOT, small_spec
 from harness.lockstep import RecordingSource, ReplaySource
-from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+from harness.models import checkpoint_dir, eos_token_ids, generation_config, load_model, load_tokenizer
 from harness.runlog import TIMING_FIELDS, read_metrics, read_run
 from scratch_grpo.train import train as train_scratch
 from trl_runner.runner import train as train_trl
@@ -29,7 +29,7 @@ LOCKSTEP_METRICS = ("loss", "grad_norm", "entropy", "reward", "reward_std", "lea
 def lockstep(spec, tmp_path):
     ckpt = checkpoint_dir(spec)
     tok = load_tokenizer(ckpt)
-    source = RecordingSource(spec, eos_token_ids(load_model(ckpt, "float32", "cpu"), tok), tok.pad_token_id, "cpu")
+    source = RecordingSource(spec, eos_token_ids(generation_config(ckpt), tok), tok.pad_token_id, "cpu")
     train_scratch(spec, tmp_path / "scratch", rollout_source=source, progress=False)
     train_trl(spec, tmp_path / "trl", rollout_source=ReplaySource(source.records), progress=False, lockstep=True)
     return read_run(tmp_path / "scratch"), read_run(tmp_path / "trl")
