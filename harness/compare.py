@@ -68,7 +68,8 @@ def load_any_run(path: str | Path) -> pd.DataFrame:
     return df
 
 
-def _tolerance(tol: dict, mode: str, dtype: str, metric: str) -> dict:
+def tolerance_for(tol: dict, mode: str, dtype: str, metric: str) -> dict:
+    """A metric's {rtol, atol} from a tolerance table: exact metrics 0/0, else its own entry or the default."""
     table = tol.get(mode, {}).get(dtype, {})
     if metric in tol.get("exact", {}).get("metrics", []):
         return {"rtol": 0.0, "atol": 0.0}
@@ -112,7 +113,7 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
             continue
         d = (x - y).abs()[both]
         rel = (d / y.abs()[both]).replace([np.inf], np.nan).where(d > 0, 0.0)
-        t = _tolerance(tol, mode, dtype, col)
+        t = tolerance_for(tol, mode, dtype, col)
         outside = d > t.get("atol", 0.0) + t.get("rtol", 0.0) * y.abs()[both]
         # a metric missing on one side at a step where the other has a number is a divergence too
         one_sided = (x.isna() ^ y.isna())

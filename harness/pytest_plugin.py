@@ -44,7 +44,7 @@ def assert_metrics_close(run_a, run_b, metrics=None, rtol: float | None = None, 
     """
     from pandas.api.types import is_numeric_dtype
 
-    from harness.compare import load_any_run, load_tolerances
+    from harness.compare import load_any_run, load_tolerances, tolerance_for
 
     a = load_any_run(run_a) if not hasattr(run_a, "columns") else run_a
     b = load_any_run(run_b) if not hasattr(run_b, "columns") else run_b
@@ -52,7 +52,6 @@ def assert_metrics_close(run_a, run_b, metrics=None, rtol: float | None = None, 
     dtype = dtype or (a.attrs.get("manifest", {}).get("spec") or {}).get("DTYPE", "float32")
     ignore = set(tol.get("ignore", {}).get("metrics", [])) | {"step"}
     exact = set(tol.get("exact", {}).get("metrics", []))
-    table = tol.get(mode, {}).get(dtype, {})
     shared = a.index.intersection(b.index)
     if steps is not None:
         shared = shared.intersection(list(steps))
@@ -73,13 +72,9 @@ def assert_metrics_close(run_a, run_b, metrics=None, rtol: float | None = None, 
                 problems.append(f"{name}: differs at step {bad[0]}: A={x[bad[0]]!r}, B={y[bad[0]]!r} (must be "
                                 f"equal; {len(bad)} of {len(shared)} steps differ)")
             continue
-        t = dict(table.get(name, table.get("default", {"rtol": 1.3e-6, "atol": 1e-5})))
-        if rtol is not None:
-            t["rtol"] = rtol
-        if atol is not None:
-            t["atol"] = atol
-        if name in exact:  # counts compare exactly, whatever the overrides
-            t = {"rtol": 0.0, "atol": 0.0}
+        t = dict(tolerance_for(tol, mode, dtype, name))
+        if name not in exact:  # counts compare exactly, whatever the overrides
+            t.update({k: v for k, v in (("rtol", rtol), ("atol", atol)) if v is not None})
         r, at = t.get("rtol", 0.0), t.get("atol", 0.0)
         xs, ys = x.astype(float), y.astype(float)
         diff = (xs - ys).abs()

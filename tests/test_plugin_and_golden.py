@@ -39,6 +39,8 @@ def test_exact_fields_and_missing_metrics():
     a, b = frame(prompts_in_step=[4, 4]), frame(prompts_in_step=[4, 2])
     with pytest.raises(MetricMismatch, match="prompts_in_step: first outside tolerance at step 2: A=4, B=2"):
         assert_metrics_close(a, b, rtol=1.0)  # counts stay exact whatever the overrides
+    with pytest.raises(MetricMismatch, match="epoch: first outside tolerance at step 1"):
+        assert_metrics_close(frame(epoch=[0.5]), frame(epoch=[0.500001]))  # inside atol 1e-5, but exact
     with pytest.raises(MetricMismatch, match="kl: not logged by run B"):
         assert_metrics_close(frame(kl=[0.1]), frame(loss=[0.1]), metrics=["kl"])
 
