@@ -43,7 +43,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     from harness.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
     from harness.params import ParamSketch
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
-    from harness.runlog import Progress, RunWriter, peak_memory_bytes
+    from harness.runlog import COMPLETIONS_PER_STEP, Progress, RunWriter, peak_memory_bytes
     from harness.signals import check_stop
 
     # ---- seeding and determinism: everything random below draws from these -----------------------
@@ -66,7 +66,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     ref_model = None
     if spec.BETA > 0:  # the frozen initial policy for the KL term
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    eos_ids, pad_id = eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+    eos_ids, pad_id = eos_token_ids(model.generation_config, tokenizer), tokenizer.pad_token_id
 
     rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
     prompt_tokens = encode_prompts(tokenizer, [r["prompt"] for r in rows], spec.MAX_PROMPT_TOKENS)
@@ -226,7 +226,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                     writer.log_completions(step, [
                         {"prompt": seq_rows[i]["prompt"], "completion": completions[i], "advantage": float(advantages[i]),
                          "rewards": {fn.__name__: float(rewards_per_func[i, j]) for j, fn in enumerate(reward_fns)}}
-                        for i in range(min(N, 4))])
+                        for i in range(min(N, COMPLETIONS_PER_STEP))])
                 row.update({
                     "prompts_in_step": len(idx), "sequences_in_step": N, "prompt_ids_hash": hash_prompt_ids(idx),
                     "tokens_in_step": generated_tokens, "epoch": prompts_seen / len(rows),

@@ -85,9 +85,11 @@ class MetricLogCallback(TrainerCallback):
         self.t0 = time.perf_counter()
 
     def _log_completions(self, step: int) -> None:
+        from harness.runlog import COMPLETIONS_PER_STEP
+
         logs = self.trainer._logs  # TRL keeps the latest generation batch here for its completion tables
         n = len(logs["completion"])
-        first = list(range(max(0, n - self.trainer.harness_generations[-1]["sequences"]), n))[:4]
+        first = list(range(max(0, n - self.trainer.harness_generations[-1]["sequences"]), n))[:COMPLETIONS_PER_STEP]
         prompts, completions = list(logs["prompt"]), list(logs["completion"])
         advantages = list(logs["advantages"])
         rewards = {name: list(vals) for name, vals in logs["rewards"].items()}
@@ -242,7 +244,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     if spec.sampler.kind == "emulated" and rollout_source is None:
         from harness.sampler import EmulatedSampler
 
-        sampler = EmulatedSampler(spec, model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, device)
+        eos = eos_token_ids(model.generation_config, tokenizer)
+        sampler = EmulatedSampler(spec, model, eos, tokenizer.pad_token_id, device)
     extra = {"checkpoint": str(ckpt), "trl_config": {k: v for k, v in translation.kwargs.items()},
              "sampler": sampler.describe() if sampler else spec.sampler.kind,
              "rollouts": "external (lockstep)" if rollout_source else "own"}
