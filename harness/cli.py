@@ -51,19 +51,13 @@ def check_inputs(spec, scratch: bool = True) -> None:
 
 
 def _load(args):
+    """The spec with --set overrides, then --steps (and, for `run`, --processes), validated once."""
     from harness.spec import load_spec
 
-    spec = load_spec(args.spec, args.set)
-    for flag, key in (("steps", "STEPS"), ("processes", "PROCESSES")):
-        if key == "PROCESSES" and args.command != "run":
-            continue  # parity's --processes adds cells; the base spec stays as written
-        if getattr(args, flag, None):
-            from harness.spec import parse_spec
-
-            raw = spec.to_dict()
-            raw[key] = getattr(args, flag)
-            spec = parse_spec(raw)
-    return spec
+    flags = [f"STEPS={args.steps}"] if getattr(args, "steps", None) else []
+    if args.command == "run" and getattr(args, "processes", None):  # parity's --processes adds cells instead
+        flags.append(f"PROCESSES={args.processes}")
+    return load_spec(args.spec, [*args.set, *flags])
 
 
 def cmd_run(args) -> int:
