@@ -54,7 +54,7 @@ def _load(args):
     """The spec with --set overrides, then --steps (and, for `run`, --processes), validated once."""
     from harness.spec import load_spec
 
-    flags = [f"STEPS={args.steps}"] if getattr(args, "steps", None) else []
+    flags = [f"STEPS={args.steps}"] if getattr(args, "steps", None) is not None else []
     if args.command == "run" and getattr(args, "processes", None):  # parity's --processes adds cells instead
         flags.append(f"PROCESSES={args.processes}")
     return load_spec(args.spec, [*args.set, *flags])

@@ -96,6 +96,12 @@ def test_cli_trl_field_missing_names_field_and_version(tmp_path):
     assert not cache.exists()
 
 
+def test_cli_steps_flag_is_validated_like_the_spec(tmp_path):
+    r = run_cli("run", "scratch", "--spec", str(DEFAULT_SPEC), "--out", str(tmp_path / "o"), "--steps", "0",
+                env_cache=tmp_path / "cache")
+    assert r.returncode == 2 and "STEPS: must be >= 1" in r.stderr
+
+
 def test_cli_help_lists_subcommands(tmp_path):
     r = run_cli("--help", env_cache=tmp_path)
     assert r.returncode == 0
