@@ -136,18 +136,15 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
     # sampling-free fields, seed by seed; and metrics logged on one side only
     tol = load_tolerances()
     only_a, only_b = set(), set()
-    pairs = list(zip(A_frames, B_frames))
-    for fa, fb in pairs if paired else []:
-        ex = compare_frames(fa[[c for c in fa.columns if c in EXACT_FREE or c == "step"]],
-                            fb[[c for c in fb.columns if c in EXACT_FREE or c == "step"]], tolerances=tol)
-        for name, mm in ex["metrics"].items():
-            if mm["first_outside"] is not None:
+    for fa, fb in zip(A_frames, B_frames):
+        pair = compare_frames(fa, fb, tolerances=tol)
+        only_a |= set(pair["only_in_a"])
+        only_b |= set(pair["only_in_b"])
+        for name in EXACT_FREE if paired else ():
+            mm = pair["metrics"].get(name)
+            if mm is not None and mm["first_outside"] is not None:
                 failures.append((mm["first_outside"], name))
                 result["metrics"].setdefault(name, mm)
-    for fa, fb in pairs:
-        full = compare_frames(fa, fb, tolerances=tol)
-        only_a |= set(full["only_in_a"])
-        only_b |= set(full["only_in_b"])
     result["only_in_a"], result["only_in_b"] = sorted(only_a), sorted(only_b)
     for name in sorted(only_a | only_b):
         failures.append((1, name))
