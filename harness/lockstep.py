@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from scratch_grpo.sampling import generate_completions
+from scratch_grpo.fastgen import sample_policy, static_decoder_for
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 
@@ -29,6 +29,7 @@ class RecordingSource:
         self.spec, self.eos_ids, self.pad_id, self.device = spec, eos_ids, pad_id, device
         self.records: list[dict] = []
         self.sampler = None
+        self.decoder = None  # a static-cache decoder when spec.GENERATION asks for one (built on first use)
         self.path = Path(path) if path else None
         if self.path:
             self.path.write_text("")
@@ -44,10 +45,10 @@ class RecordingSource:
                     self.sampler = EmulatedSampler(spec, policy, self.eos_ids, self.pad_id, self.device)
                 self.sampler.sync_weights(policy)
                 return self.sampler.generate(prompt_ids)
-            completions = generate_completions(
-                policy, prompt_ids, eos_ids=self.eos_ids, pad_id=self.pad_id, max_tokens=spec.MAX_TOKENS,
-                temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=self.device,
-                dtype=spec.DTYPE)
+            if self.decoder is None:
+                self.decoder = static_decoder_for(spec, policy, self.eos_ids, self.pad_id, self.device) or False
+            completions = sample_policy(self.decoder or None, spec, policy, prompt_ids, eos_ids=self.eos_ids,
+                                        pad_id=self.pad_id, device=self.device)
             return completions, None
 
     def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy, part=(0, 1)):

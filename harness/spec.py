@@ -133,6 +133,11 @@ class Spec:
     TEMPERATURE: float = _f(1.0, "Sampling temperature; log-probs are computed on logits / TEMPERATURE, as TRL does.",
                             min=0.0, min_exclusive=True, max=100.0)
     TOP_P: float = _f(1.0, "Nucleus sampling mass.", min=0.0, min_exclusive=True, max=1.0)
+    GENERATION: str = _f("auto", "How the scratch loop samples when sampler.kind = \"policy\": `hf` (transformers' "
+                         "generate, as TRL without vLLM), `static` (scratch_grpo/fastgen.py: a bf16/fp32 inference copy, "
+                         "a static KV cache and one CUDA graph per decode step), or `auto` (static on a GPU, hf on CPU). "
+                         "The TRL side always uses its own generation; lockstep replays one recording to both.",
+                         choices=("auto", "hf", "static"))
     TOP_K: int = _f(0, "Top-k sampling (0 = off).", min=0)
     # --- objective ---
     LOSS_NORM: str = _f("sequence", "How per-token losses become one number: `sequence` (mean per completion, "

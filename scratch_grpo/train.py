@@ -25,8 +25,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from scratch_grpo import core
 from scratch_grpo.rewards import REWARDS, check_rewards
-from scratch_grpo.sampling import (autocast_for, completion_forward, encode_prompts, generate_completions,
-                                   pad_left, pad_right)
+from scratch_grpo.fastgen import sample_policy, static_decoder_for
+from scratch_grpo.sampling import autocast_for, completion_forward, encode_prompts, pad_left, pad_right
 
 
 def shuffle_seed(seed: int, round_idx: int) -> int:
@@ -84,6 +84,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
         sampler = EmulatedSampler(spec, model, eos_ids, pad_id, device)
     elif spec.sampler.kind == "vllm" and rollout_source is None:
         raise NotImplementedError("sampler.kind = \"vllm\" for the scratch loop: see issue on GPU runs")
+    # the policy's own sampling: transformers' generate, or a static-cache decoder (GENERATION; auto on a GPU)
+    decoder = None
+    if sampler is None and rollout_source is None:
+        decoder = static_decoder_for(spec, model, eos_ids, pad_id, device)
 
     # ---- optimizer: AdamW, no decay on biases and norms (as transformers' Trainer), LR schedule ----------
     decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n.lower())]
@@ -94,6 +98,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS))
 
     extra = {"checkpoint": str(ckpt), "sampler": sampler.describe() if sampler else spec.sampler.kind,
+             "generation": decoder.describe() if decoder else "transformers generate",
              "rollouts": "external (lockstep)" if rollout_source else "own"}
     writer = RunWriter(out_dir, "scratch", spec, device, extra)
     sketch = ParamSketch(model, writer.dir, seed=spec.SEED)  # the weights after each step, for lockstep parity
@@ -119,9 +124,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 sampler.sync_weights(model)
                 completion_ids, sampler_logps = sampler.generate(prompt_ids)
             else:
-                completion_ids = generate_completions(
-                    model, prompt_ids, eos_ids=eos_ids, pad_id=pad_id, max_tokens=spec.MAX_TOKENS,
-                    temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=device, dtype=spec.DTYPE)
+                completion_ids = sample_policy(decoder, spec, model, prompt_ids, eos_ids=eos_ids, pad_id=pad_id,
+                                               device=device)
             model.train()
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 

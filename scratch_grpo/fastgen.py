@@ -1,0 +1,212 @@
+"""Fast batched sampling without vLLM: a static KV cache, and each decode step replayed as a CUDA graph.
+
+Why: Hugging Face `generate` on a GPU spends most of a GRPO step launching small kernels one by one
+(hundreds per token, 512 tokens, 64 rows). Here the whole batch is decoded together against a KV cache
+of fixed shape, so one decode step always launches the same kernels on the same buffers; on CUDA that
+step is captured once per `generate` call and replayed as a single CUDA graph.
+
+How, top to bottom:
+1. `sync_weights`: the sampler keeps its own inference copy of the policy in the compute dtype (bf16 on
+   a GPU run), as vLLM does; weights are copied in place before each round, so captured graphs keep
+   pointing at the right memory.
+2. prefill: the left-padded prompts in one forward pass, writing cache positions 0..P-1, with an
+   explicit 4-D mask (causal, pad keys hidden).
+3. decode: for t = 0..max_tokens-1, feed the last sampled token at cache position P+t, position id
+   (prompt length + t) per row; the mask lets each row see its own prompt tokens and its generated ones.
+4. sampling (`sample_next`): temperature, then top-k, then top-p, then a categorical draw, in Hugging
+   Face's order; rows that emitted an eos get the pad token afterwards.
+
+Completions are cut after their first eos, as `generate_completions` returns them. This path draws
+different random numbers from `generate`, so the same seed gives different (equally distributed)
+completions; lockstep parity is unaffected (both loops score the recorded completions).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from scratch_grpo.sampling import cut_at_eos, pad_left
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of `logits` (B, V): temperature, top-k, top-p (nucleus), categorical draw.
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches `top_p` (the token that
+    crosses the threshold is kept), as Hugging Face's TopPLogitsWarper and vLLM do."""
+    scores = logits.float() / temperature
+    if top_k and 0 < top_k < scores.size(-1):
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_scores.softmax(-1)) >= top_p  # mass before this token already reaches top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class FixedCache:
+    """Per-layer key/value buffers of fixed shape (B, kv_heads, L, head_dim), written at `position`.
+
+    `position` is a device tensor of cache indices that the caller sets before each forward pass (for a
+    decode step: one buffer updated in place), so a captured graph writes where the current step belongs.
+    It answers the one call transformers' attention makes: `update(keys, values, layer_idx)`."""
+
+    def __init__(self, config, batch: int, length: int, dtype, device):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (batch, config.num_key_value_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.position: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.keys[layer_idx].index_copy_(2, self.position, key_states.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, self.position, value_states.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class StaticDecoder:
+    """Samples completions from an inference copy of the policy; see the module docstring.
+
+    `graphs=None` captures CUDA graphs when the model is on a GPU; `graphs=False` decodes eagerly (the
+    same arithmetic; that is what runs on CPU and in the tests)."""
+
+    label = "static KV cache + CUDA graph"
+
+    def __init__(self, policy, *, eos_ids: list[int], pad_id: int, dtype: str, graphs: bool | None = None):
+        self.eos_ids, self.pad_id = list(eos_ids), pad_id
+        self.net = copy.deepcopy(policy).eval().to(getattr(torch, dtype))
+        if self.net.supports_gradient_checkpointing:
+            self.net.gradient_checkpointing_disable()
+        self.net.requires_grad_(False)
+        self.device = next(self.net.parameters()).device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.last_stats: dict[str, float] = {}
+
+    def describe(self) -> str:
+        return self.label if self.graphs else "static KV cache (eager)"
+
+    @torch.no_grad()
+    def sync_weights(self, policy) -> None:
+        """Copy the trainer's current weights into the inference copy, in place (cast to its dtype)."""
+        for dst, src in zip(self.net.parameters(), policy.parameters(), strict=True):
+            dst.copy_(src.detach())
+
+    def _forward(self, ids, positions, mask, cache):
+        out = self.net(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], *, max_tokens: int, temperature: float, top_p: float = 1.0,
+                 top_k: int = 0, batch_size: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Completions (cut after the first eos) and the sampler's log-prob of each sampled token, on
+        logits / temperature before top-k/top-p (vLLM's default `logprobs`), in the inference dtype."""
+        out: list[list[int]] = []
+        logps: list[list[float]] = []
+        step = batch_size or len(prompt_ids)
+        for start in range(0, len(prompt_ids), step):
+            c, lp = self._generate_batch(prompt_ids[start:start + step], max_tokens, temperature, top_p, top_k)
+            out.extend(c)
+            logps.extend(lp)
+        return out, logps
+
+    def _generate_batch(self, prompt_ids, max_tokens, temperature, top_p, top_k):
+        dev = self.device
+        ids, pmask = pad_left(prompt_ids, self.pad_id)
+        ids, pmask = ids.to(dev), pmask.to(dev).bool()
+        B, P = ids.shape
+        L = P + max_tokens
+        cache = FixedCache(self.net.config, B, L, next(self.net.parameters()).dtype, dev)
+        eos = torch.tensor(self.eos_ids, device=dev)
+
+        # ---- prefill: causal over the prompt, pad keys hidden; positions count real tokens only ------------
+        key_ok = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        key_ok[:, :P] = pmask
+        causal = torch.ones(P, L, dtype=torch.bool, device=dev).tril()
+        mask = (causal[None] & key_ok[:, None, :])[:, None]  # (B, 1, P, L)
+        positions = (pmask.long().cumsum(-1) - 1).clamp(min=0)
+        prompt_len = pmask.sum(-1, keepdim=True)  # (B, 1)
+        cache.position = torch.arange(P, device=dev)
+        logits = self._forward(ids, positions, mask, cache)
+        tokens = torch.empty(B, max_tokens, dtype=torch.long, device=dev)
+        logps = torch.empty(B, max_tokens, dtype=torch.float32, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+
+        # ---- decode: static buffers that the (captured) step reads and writes ----------------------------
+        tok = torch.empty(B, 1, dtype=torch.long, device=dev)
+        pos = torch.empty(B, 1, dtype=torch.long, device=dev)
+        cpos = torch.empty(1, dtype=torch.long, device=dev)
+        dmask = torch.empty(B, 1, 1, L, dtype=torch.bool, device=dev)
+        arange_l = torch.arange(L, device=dev)
+        cache.position = cpos
+
+        def set_inputs(t: int, last: torch.Tensor):
+            tok.copy_(last[:, None])
+            pos.copy_(prompt_len + t)
+            cpos.fill_(P + t)
+            dmask.copy_((key_ok | ((arange_l >= P) & (arange_l <= P + t)))[:, None, None, :])
+
+        step_fn = lambda: self._forward(tok, pos, dmask, cache)  # noqa: E731
+        graph, graph_out = None, None
+        check_every = 8
+        n = 0
+        for t in range(max_tokens):
+            nxt = sample_next(logits, temperature, top_k, top_p)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            tokens[:, t] = nxt
+            logps[:, t] = (logits.float() / temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
+            done |= torch.isin(nxt, eos)
+            n = t + 1
+            if t == max_tokens - 1 or (t % check_every == check_every - 1 and bool(done.all())):
+                break
+            set_inputs(t, nxt)
+            if self.graphs and graph is None and t >= 2:  # two eager steps warm up the kernels, then capture
+                graph, graph_out = self._capture(step_fn)
+            if graph is not None:
+                graph.replay()
+                logits = graph_out
+            else:
+                logits = step_fn()
+        self.last_stats = {"decode_steps": n, "batch": B, "prompt_width": P}
+        completions = cut_at_eos(tokens[:, :n], self.eos_ids)
+        return completions, [row[:len(c)] for row, c in zip(logps[:, :n].tolist(), completions)]
+
+    @staticmethod
+    def _capture(step_fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step_fn()  # warm-up on the side stream, as torch.cuda.graphs asks
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step_fn()
+        return graph, out
+
+
+def static_decoder_for(spec, policy, eos_ids: list[int], pad_id: int, device: str) -> StaticDecoder | None:
+    """The decoder `spec.GENERATION` asks for (auto: on a GPU), or None for transformers' generate."""
+    mode = spec.GENERATION
+    if mode == "hf" or (mode == "auto" and not device.startswith("cuda")):
+        return None
+    return StaticDecoder(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=spec.DTYPE)
+
+
+def sample_policy(decoder: StaticDecoder | None, spec, policy, prompt_ids, *, eos_ids, pad_id, device):
+    """One round of the policy's own completions: through `decoder` (synced to `policy` first) when there
+    is one, else transformers' generate under the spec's dtype."""
+    from scratch_grpo.sampling import generate_completions
+
+    if decoder is not None:
+        decoder.sync_weights(policy)
+        return decoder.generate(prompt_ids, max_tokens=spec.MAX_TOKENS, temperature=spec.TEMPERATURE,
+                                top_p=spec.TOP_P, top_k=spec.TOP_K)[0]
+    return generate_completions(policy, prompt_ids, eos_ids=eos_ids, pad_id=pad_id, max_tokens=spec.MAX_TOKENS,
+                                temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=device,
+                                dtype=spec.DTYPE)

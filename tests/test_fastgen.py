@@ -1,0 +1,109 @@
+"""The static-cache decoder (scratch_grpo/fastgen.py): its sampling rule by hand, its log-probs against a
+full forward pass, eos handling, and the scratch loop running on it."""
+
+import pytest
+import torch
+
+from conftest import small_spec
+from scratch_grpo.fastgen import StaticDecoder, sample_next
+
+
+def test_sample_next_top_k_and_top_p_by_hand():
+    # probabilities 0.5, 0.25, 0.15, 0.10 (logits are their logs)
+    logits = torch.tensor([[0.5, 0.25, 0.15, 0.10]]).log().repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    # top_k=2: only tokens 0 and 1, in ratio 2:1
+    draws = sample_next(logits, 1.0, top_k=2, generator=g)
+    assert set(draws.tolist()) == {0, 1}
+    assert abs((draws == 0).float().mean().item() - 2 / 3) < 0.03
+    # top_p=0.7: 0.5 < 0.7, so token 1 (which crosses 0.7) is kept, token 2 is not
+    draws = sample_next(logits, 1.0, top_p=0.7, generator=g)
+    assert set(draws.tolist()) == {0, 1}
+    # top_p=0.5: token 0 alone reaches 0.5
+    assert set(sample_next(logits, 1.0, top_p=0.5, generator=g).tolist()) == {0}
+    # temperature 0.5 squares the probabilities: 0.25 : 0.0625 : 0.0225 : 0.01 -> token 0 has 0.7163
+    draws = sample_next(logits, 0.5, generator=g)
+    assert abs((draws == 0).float().mean().item() - 0.25 / 0.345) < 0.03
+
+
+def _model_and_prompts():
+    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+
+    spec = small_spec()
+    ckpt = checkpoint_dir(spec)
+    tok, model = load_tokenizer(ckpt), load_model(ckpt, "float32", "cpu")
+    questions = ["What is 3 + 4 ?", "What is 1 + 1 ?", "What is 9 + 9 ? What is 2 + 2 ? What is 5 + 0 ?"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"] for q in questions] * 4
+    return model, tok, eos_token_ids(model.generation_config, tok), prompts
+
+
+def test_decoder_logprobs_match_a_full_forward_pass_with_left_padding():
+    """Prompts of three lengths (left padding): each sampled token's log-prob from the cached decode equals the
+    log-prob a full forward pass gives the finished completion (fp32)."""
+    from scratch_grpo.sampling import score_completions
+
+    model, tok, eos, prompts = _model_and_prompts()
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    torch.manual_seed(3)
+    completions, logps = dec.generate(prompts, max_tokens=12, temperature=0.7)
+    assert [len(c) for c in completions] == [len(lp) for lp in logps]
+    assert len({len(c) for c in completions}) > 1  # some rows stopped at an eos, some ran to the limit
+    ref = score_completions(model, prompts, completions, pad_id=tok.pad_token_id, temperature=0.7, device="cpu")
+    diff = max(abs(a - b) for ra, rb in zip(logps, ref) for a, b in zip(ra, rb))
+    assert diff < 1e-5, diff
+
+
+def test_decoder_stops_rows_at_eos():
+    model, tok, eos, prompts = _model_and_prompts()
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    torch.manual_seed(0)
+    completions, _ = dec.generate(prompts, max_tokens=16, temperature=1.0)
+    for c in completions:
+        assert all(t not in eos for t in c[:-1])  # an eos can only be the last token
+        assert len(c) == 16 or c[-1] in eos
+    # make the eos token overwhelmingly likely: every completion is that single eos, then pad
+    bias = torch.zeros(model.config.vocab_size)
+    bias[eos[0]] = 1e4
+    dec.net.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    completions, _ = dec.generate(prompts, max_tokens=16, temperature=1.0)
+    assert completions == [[eos[0]]] * len(prompts)
+    assert dec.last_stats["decode_steps"] == 8  # all rows done: stopped at the first check, not at 16
+
+
+def test_sync_weights_copies_the_policy():
+    model, tok, eos, _ = _model_and_prompts()
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert not torch.equal(next(dec.net.parameters()), next(model.parameters()))
+    dec.sync_weights(model)
+    assert all(torch.equal(a, b) for a, b in zip(dec.net.parameters(), model.parameters()))
+
+
+def test_scratch_loop_on_the_static_decoder(tmp_path):
+    from harness.runlog import read_run
+    from scratch_grpo.train import train
+
+    spec = small_spec("STEPS=3", 'GENERATION="static"')
+    df = read_run(train(spec, tmp_path, progress=False))
+    assert len(df) == 3 and df.attrs["manifest"]["generation"].startswith("static KV cache")
+    assert (df["completions/mean_length"] > 0).all()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decoder_matches_eager_on_gpu():
+    """On CUDA the captured graph replays the same arithmetic as eager decoding: same seed, same tokens."""
+    model, tok, eos, prompts = _model_and_prompts()
+    model = model.cuda()
+    graph = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16")
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=False)
+    assert graph.graphs and not eager.graphs
+    torch.manual_seed(5)
+    a = graph.generate(prompts, max_tokens=24, temperature=1.0)
+    torch.manual_seed(5)
+    b = eager.generate(prompts, max_tokens=24, temperature=1.0)
+    assert a[0] == b[0]
+    diff = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+    assert diff < 1e-3, diff
