@@ -40,10 +40,11 @@ def check_inputs(spec, scratch: bool = True) -> None:
                          "TRL side alone (`run trl`), or use sampler.kind = \"emulated\" for both loops")
     try:
         to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
-        if spec.data.source == "synthetic":
-            from harness.embedded import vocabulary
+        if spec.data.source == "synthetic" or spec.model.source == "embedded":
+            from harness.embedded import padded_vocabulary
 
-            vocabulary(spec.data.max_operand, list(spec.data.operations))
+            padded_vocabulary(spec.data.max_operand, list(spec.data.operations),
+                              spec.model.vocab_size if spec.model.source == "embedded" else 0)
         if spec.model.source == "local" and not (Path(spec.model.path).expanduser() / "config.json").exists():
             raise ModelSourceError(f"model.path: {spec.model.path} is not a checkpoint directory (no config.json)")
     except (DataError, ModelSourceError, ValueError) as e:
@@ -194,6 +195,25 @@ def cmd_record(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Both loops on one device in one process (scratch, TRL, scratch), against the measured floor."""
+    spec = _load(args)
+    check_inputs(spec, scratch=True)
+    from trl_runner.translate import translate
+
+    translate(spec)
+    from harness.bench import format_bench, run_bench
+
+    try:
+        result = run_bench(spec, args.out, progress=not args.quiet)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    print()
+    print(format_bench(result))
+    print(f"\nwrote {Path(args.out) / 'bench.json'} and bench.md (paste the table into docs/benchmarks.md)")
+    return 0
+
+
 def cmd_spec_help(args) -> int:
     from harness.spec import describe_fields
 
@@ -279,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a spec, its data and its TRL translation without loading a model")
     spec_args(v, out_default=False)
     v.set_defaults(func=cmd_validate)
+
+    b = sub.add_parser("bench", help="time both loops on one device (scratch, TRL, scratch) against the floor")
+    spec_args(b, out_default="runs/bench")
+    b.add_argument("--steps", type=int, help="override STEPS (medians are over steps 2..N)")
+    b.add_argument("--quiet", action="store_true", help="no per-step progress")
+    b.set_defaults(func=cmd_bench)
 
     h = sub.add_parser("spec-help", help="list every spec field with its default and meaning")
     h.set_defaults(func=cmd_spec_help)

@@ -52,12 +52,21 @@ def vocabulary(max_operand: int, operations: list[str]) -> list[str]:
     return [PAD, IM_START, EOS, UNK, *WORDS, *[str(n) for n in range(lo, hi + 1)]]
 
 
-def build_tokenizer(max_operand: int, operations: list[str]):
+def padded_vocabulary(max_operand: int, operations: list[str], size: int = 0) -> list[str]:
+    """The vocabulary, padded with unused `<|unused_i|>` tokens up to `size` (0: no padding)."""
+    words = vocabulary(max_operand, operations)
+    if size and size < len(words):
+        raise ValueError(f"model.vocab_size = {size} is smaller than the embedded tokenizer's {len(words)} tokens: "
+                         f"raise it or set it to 0")
+    return words + [f"<|unused_{i}|>" for i in range(max(0, size - len(words)))]
+
+
+def build_tokenizer(max_operand: int, operations: list[str], vocab_size: int = 0):
     """A word-level PreTrainedTokenizerFast with pad/eos tokens and a chat template (TRL's prompt path works)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(vocabulary(max_operand, operations))}
+    vocab = {tok: i for i, tok in enumerate(padded_vocabulary(max_operand, operations, vocab_size))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
@@ -79,10 +88,14 @@ def synthetic_rows(size: int, seed: int, max_operand: int, operations: list[str]
     return rows
 
 
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "init_seed", "init_std")
+EXTRA_SHAPE_FIELDS = {"head_dim": 0, "vocab_size": 0, "max_positions": 512}  # in the key only when changed
+
+
 def _model_key(model_spec, vocab: list[str]) -> str:
-    blob = json.dumps({"model": {k: getattr(model_spec, k) for k in
-                                 ("layers", "hidden", "heads", "kv_heads", "intermediate", "init_seed", "init_std")},
-                       "vocab": vocab, "format": 1}, sort_keys=True)
+    fields = {k: getattr(model_spec, k) for k in SHAPE_FIELDS}
+    fields.update({k: getattr(model_spec, k) for k, v in EXTRA_SHAPE_FIELDS.items() if getattr(model_spec, k) != v})
+    blob = json.dumps({"model": fields, "vocab": vocab, "format": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -95,7 +108,7 @@ def build_model(model_spec, tokenizer):
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=m.hidden, intermediate_size=m.intermediate,
         num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
-        head_dim=m.hidden // m.heads, max_position_embeddings=512, tie_word_embeddings=True,
+        head_dim=m.head_dim or m.hidden // m.heads, max_position_embeddings=m.max_positions, tie_word_embeddings=True,
         initializer_range=m.init_std, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
@@ -112,11 +125,11 @@ def build_model(model_spec, tokenizer):
 
 def ensure_embedded_checkpoint(model_spec, data_spec) -> Path:
     """Build (once) and return the checkpoint directory of the embedded model with its tokenizer."""
-    vocab = vocabulary(data_spec.max_operand, list(data_spec.operations))
+    vocab = padded_vocabulary(data_spec.max_operand, list(data_spec.operations), model_spec.vocab_size)
     path = cache_root() / f"embedded-{_model_key(model_spec, vocab)}"
     if (path / "model.safetensors").exists():
         return path
-    tokenizer = build_tokenizer(data_spec.max_operand, list(data_spec.operations))
+    tokenizer = build_tokenizer(data_spec.max_operand, list(data_spec.operations), model_spec.vocab_size)
     model = build_model(model_spec, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))

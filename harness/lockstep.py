@@ -51,6 +51,10 @@ class RecordingSource:
                                         pad_id=self.pad_id, device=self.device)
             return completions, None
 
+    def release(self) -> None:
+        """Drop the sampling models (the recording is kept): the other side needs the memory."""
+        self.sampler = self.decoder = None
+
     def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy, part=(0, 1)):
         completions, logps = self.sample(round_idx, prompt_ids, policy)
         record = {"round": round_idx, "prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logps}

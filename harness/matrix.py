@@ -143,6 +143,7 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     eos = eos_token_ids(generation_config(ckpt), tok)  # no weights loaded just for this
     source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
     train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
+    source.release()
     broken = []
     if spec.PROCESSES > 1:  # TRL under torchrun/accelerate, each process replaying its slice of the rollouts
         from trl_runner.launch import train_processes

@@ -4,7 +4,9 @@ A run folder holds:
 - `metrics.jsonl`: one JSON object per optimizer step, appended and flushed (and fsync'ed) when the
   step ends, so a killed run keeps every finished step. Metric names are TRL's where TRL has one;
   the harness adds `step`, `prompts_in_step`, `sequences_in_step`, `prompt_ids_hash`,
-  `tokens_in_step`, `wall_s`, `peak_mem_bytes`, `epoch`, `reward_errors`.
+  `tokens_in_step`, `wall_s` (the step), `gen_s` (its generation), `harness_s` (the harness's own
+  bookkeeping: weight sketch, completion samples, consumption records), `peak_mem_bytes`, `epoch`,
+  `reward_errors`.
 - `manifest.json`: the resolved spec, seeds, library versions, device, git commit and `status`
   (`running`, `finished`, `failed: <reason>`, `interrupted`), rewritten atomically.
 """
@@ -25,7 +27,8 @@ METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"  # a few completions per generation step, for reports
 COMPLETIONS_PER_STEP = 4
 MANIFEST_FILE = "manifest.json"
-TIMING_FIELDS = ("wall_s", "peak_mem_bytes", "step_time")  # differ run to run; ignored by determinism checks
+# differ run to run; ignored by determinism checks
+TIMING_FIELDS = ("wall_s", "gen_s", "harness_s", "peak_mem_bytes", "step_time")
 
 
 def library_versions() -> dict:

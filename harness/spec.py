@@ -53,6 +53,12 @@ class ModelSpec:
     heads: int = _f(4, "Embedded model: attention heads.", min=1, max=64)
     kv_heads: int = _f(2, "Embedded model: key/value heads (must divide `heads`).", min=1, max=64)
     intermediate: int = _f(128, "Embedded model: MLP width.", min=8, max=16384)
+    head_dim: int = _f(0, "Embedded model: attention head width (0 = hidden / heads; Qwen3-0.6B uses 128 with "
+                       "hidden 1024 and 16 heads).", min=0, max=512)
+    vocab_size: int = _f(0, "Embedded model: vocabulary size (0 = the word-level tokenizer's own; larger pads it with "
+                         "unused tokens, e.g. 151936 for Qwen3's output layer and sampling cost).", min=0, max=300_000)
+    max_positions: int = _f(512, "Embedded model: max_position_embeddings (prompt + completion must fit).", min=16,
+                            max=131_072)
     init_seed: int = _f(1234, "Embedded model: seed of the random initialisation (same seed, same weights).",
                         min=0)
     init_std: float = _f(0.02, "Embedded model: std of the normal weight initialisation (Qwen3's "
@@ -303,9 +309,9 @@ def _cross_checks(spec: Spec) -> None:
         raise SpecError("model.path", "is required when model.source = \"local\" (e.g. path = \"./models/Qwen3-0.6B\")")
     if spec.data.source == "file" and not spec.data.path:
         raise SpecError("data.path", "is required when data.source = \"file\" (a .jsonl or .parquet file)")
-    if spec.model.hidden % spec.model.heads or spec.model.heads % spec.model.kv_heads:
+    if spec.model.head_dim == 0 and spec.model.hidden % spec.model.heads or spec.model.heads % spec.model.kv_heads:
         raise SpecError("model.heads", f"hidden ({spec.model.hidden}) must be a multiple of heads "
-                        f"({spec.model.heads}), and kv_heads ({spec.model.kv_heads}) must divide heads")
+                        f"({spec.model.heads}) unless head_dim is set, and kv_heads ({spec.model.kv_heads}) must divide heads")
     if spec.IS_CORRECTION and spec.sampler.kind == "policy":
         raise SpecError("IS_CORRECTION", "needs a separate sampler to correct for: set sampler.kind = \"emulated\" "
                         "(or \"vllm\" on a GPU with vLLM installed), or IS_CORRECTION = false")

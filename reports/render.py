@@ -29,7 +29,7 @@ GROUPS = {
                                         "sampling/sampling_logp_difference/mean", "mismatch/logp_diff/mean",
                                         "mismatch/token_mult_prob_error"),
     "batch": ("prompts_in_step", "sequences_in_step", "tokens_in_step", "epoch"),
-    "throughput and memory": ("wall_s", "peak_mem_bytes"),
+    "throughput and memory": ("wall_s", "gen_s", "harness_s", "peak_mem_bytes"),
 }
 KEY_METRICS = ("reward", "completions/mean_length", "loss", "grad_norm", "entropy", "param_rel_l2",
                "prompts_in_step", "sampling/importance_sampling_ratio/mean")

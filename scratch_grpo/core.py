@@ -55,14 +55,67 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 # ---------------------------------------------------------------------------------------------
 # log-probs, entropy, KL
 # ---------------------------------------------------------------------------------------------
+CHUNK_ROWS = 1024  # rows of (B*T, V) logits handled at once by the memory-lean paths
+LEAN_NUMEL = 1 << 28  # fp32 logits larger than this also take the lean paths
+
+
+def _lean(logits: torch.Tensor) -> bool:
+    """bf16/fp16 logits (a GPU run under autocast) or very large ones: never materialise an fp32 (B, T, V) copy.
+    Small fp32 logits keep the plain expressions, whose rounding the CPU parity figures were measured with."""
+    return logits.dtype != torch.float32 or logits.numel() > LEAN_NUMEL
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens."""
+    """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens (in fp32)."""
+    if _lean(logits):
+        return _LeanLogprobs.apply(logits, targets, temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+class _LeanLogprobs(torch.autograd.Function):
+    """token_logprobs without an fp32 (B, T, V) tensor: forward and backward run over row chunks.
+
+    forward:  logp = x[target] - logsumexp(x),  x = logits.float() / T      (saved: logits, targets, lse)
+    backward: d logits = g * (onehot(target) - softmax(x)) / T               (in the logits' dtype)"""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        flat, idx = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+        out = torch.empty(idx.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for s in range(0, flat.size(0), CHUNK_ROWS):
+            x = flat[s:s + CHUNK_ROWS].float() / temperature
+            lse[s:s + CHUNK_ROWS] = torch.logsumexp(x, dim=-1)
+            out[s:s + CHUNK_ROWS] = x.gather(-1, idx[s:s + CHUNK_ROWS, None]).squeeze(-1) - lse[s:s + CHUNK_ROWS]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return out.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        T = ctx.temperature
+        flat, idx, g = logits.reshape(-1, logits.size(-1)), targets.reshape(-1), grad_out.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        for s in range(0, flat.size(0), CHUNK_ROWS):
+            rows = slice(s, s + CHUNK_ROWS)
+            p = torch.exp(flat[rows].float() / T - lse[rows, None])
+            d = -p * g[rows, None]
+            d.scatter_add_(-1, idx[rows, None], g[rows, None])
+            grad[rows] = (d / T).to(grad.dtype)
+        return grad.view(logits.shape), None, None
+
+
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """H = -sum_v p_v log p_v per position, of softmax(logits / temperature)."""
+    if _lean(logits) and not logits.requires_grad:
+        flat = logits.reshape(-1, logits.size(-1))
+        out = torch.empty(flat.size(0), dtype=torch.float32, device=logits.device)
+        for s in range(0, flat.size(0), CHUNK_ROWS):
+            logp = torch.log_softmax(flat[s:s + CHUNK_ROWS].float() / temperature, dim=-1)
+            out[s:s + CHUNK_ROWS] = -(logp.exp() * logp).sum(-1)
+        return out.view(logits.shape[:-1])
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 

@@ -24,6 +24,7 @@ completions; lockstep parity is unaffected (both loops score the recorded comple
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -167,7 +168,11 @@ class StaticDecoder:
                 break
             set_inputs(t, nxt)
             if self.graphs and graph is None and t >= 2:  # two eager steps warm up the kernels, then capture
-                graph, graph_out = self._capture(step_fn)
+                try:
+                    graph, graph_out = self._capture(step_fn)
+                except RuntimeError as e:  # a model whose forward cannot be captured: decode eagerly, say so
+                    warnings.warn(f"CUDA graph capture failed ({str(e)[:200]}); decoding eagerly from here on")
+                    self.graphs, self.label = False, "static KV cache (eager: graph capture failed)"
             if graph is not None:
                 graph.replay()
                 logits = graph_out

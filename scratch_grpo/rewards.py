@@ -14,6 +14,7 @@ To add a reward: write a batch function below and add it to `REWARDS`; specs nam
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from decimal import Decimal, InvalidOperation
@@ -107,10 +108,24 @@ def reward_format(completions: list, **kwargs) -> list[float]:
     return score_each("format", format_reward, [texts], kwargs.get("log_metric"))
 
 
+def noise_reward(completion: str) -> float:
+    """A stable pseudo-random score in [0, 1) from the completion's text (SHA-256). No task signal: it exists
+    so that a model with random weights (benchmarks, bf16 noise measurements) gets rewards that differ within
+    a group, hence non-zero advantages and a real gradient, the same on both sides."""
+    digest = hashlib.sha256(completion.encode("utf-8", "replace")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def reward_noise(completions: list, **kwargs) -> list[float]:
+    texts = [completion_text(c) for c in completions]
+    return score_each("noise", noise_reward, [texts], kwargs.get("log_metric"))
+
+
 # registry name -> batch function. TRL logs a function under its __name__: rewards/<__name__>/mean.
 REWARDS: dict[str, Callable[..., list[float]]] = {
     "correctness": reward_correct,
     "format": reward_format,
+    "noise": reward_noise,
 }
 
 

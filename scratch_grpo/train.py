@@ -117,6 +117,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
 
             # ---- 2. rollouts: our own sampling, a separate sampler, or given from outside ------------------
             sampler_logps = None
+            t_gen = time.perf_counter()
             model.eval()
             if rollout_source is not None:
                 completion_ids, sampler_logps = rollout_source(r, prompt_ids, model)
@@ -127,6 +128,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 completion_ids = sample_policy(decoder, spec, model, prompt_ids, eos_ids=eos_ids, pad_id=pad_id,
                                                device=device)
             model.train()
+            gen_s = time.perf_counter() - t_gen  # completions are host lists here: the GPU work is done
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
             # ---- 3. rewards r_i (weighted sum of functions) and advantages A_i ------------------------------
@@ -215,6 +217,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                t_harness = time.perf_counter()  # bookkeeping from here to the log line counts as harness time
                 sketch.record(model)
 
                 # ---- 6. log this optimizer step ------------------------------------------------------------
@@ -234,6 +237,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 row.update({
                     "prompts_in_step": len(idx), "sequences_in_step": N, "prompt_ids_hash": hash_prompt_ids(idx),
                     "tokens_in_step": generated_tokens, "epoch": prompts_seen / len(rows),
+                    "gen_s": gen_s if it == 0 else 0.0, "harness_s": time.perf_counter() - t_harness,
                     "wall_s": time.perf_counter() - t0, "peak_mem_bytes": peak_memory_bytes(device),
                 })
                 if not math.isfinite(step_loss) or not math.isfinite(grad_norm):

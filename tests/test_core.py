@@ -190,3 +190,30 @@ def test_clip_stats_by_hand():
     assert st["clip_ratio/region_mean"] == pytest.approx(0.6)
     assert st["clip_ratio/low_min"] == pytest.approx(0.0)  # per-seq low fractions 1/3 and 0
     assert st["clip_ratio/high_max"] == pytest.approx(1.0)  # per-seq high fractions 0 and 2/2
+
+
+def test_lean_logprobs_and_entropy_match_the_plain_expressions():
+    """The memory-lean paths (bf16 logits on a GPU run) give the plain fp32 expressions' values and gradients."""
+    from scratch_grpo import core
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 700, 50, generator=g) * 3)  # 2100 rows: crosses CHUNK_ROWS chunks
+    targets = torch.randint(0, 50, (3, 700), generator=g)
+    weights = torch.randn(3, 700, generator=g)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x = logits.detach().to(dtype).clone().requires_grad_(True)
+        lean = core._LeanLogprobs.apply(x, targets, 0.7)
+        (lean * weights).sum().backward()
+        ref_x = x.detach().float().requires_grad_(True)
+        ref = torch.log_softmax(ref_x / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+        (ref * weights).sum().backward()
+        assert lean.dtype == torch.float32
+        torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)  # fp32 math on the same inputs
+        torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol)
+    bf = logits.bfloat16()
+    assert core._lean(bf) and not core._lean(logits)
+    plain = -(torch.log_softmax(bf.float() / 0.7, -1).exp() * torch.log_softmax(bf.float() / 0.7, -1)).sum(-1)
+    torch.testing.assert_close(core.token_entropy(bf, 0.7), plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(core.token_logprobs(bf, targets, 0.7),
+                               torch.log_softmax(bf.float() / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1),
+                               rtol=0, atol=1e-5)

@@ -112,3 +112,27 @@ def test_prompt_schedule_is_seeded_epochs_and_prefix_stable():
     assert s != D.prompt_schedule(10, 6, 4, seed=2)
     assert D.prompt_schedule(10, 12, 4, seed=1)[:6] == s  # a longer schedule starts with the shorter one
     assert D.hash_prompt_ids([1, 2, 3]) != D.hash_prompt_ids([1, 3, 2])  # order matters
+
+
+def test_shaped_embedded_model_head_dim_and_padded_vocabulary():
+    """The fields that give the embedded model Qwen3-0.6B's shape (here scaled down): head_dim independent of
+    hidden / heads, a vocabulary padded with unused tokens, a longer position range."""
+    spec = small_spec("model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
+                      "model.vocab_size=600", "model.max_positions=1024")
+    path = checkpoint_dir(spec)
+    assert path != checkpoint_dir(small_spec())
+    tok, model = load_tokenizer(path), load_model(path, "float32", "cpu")
+    assert len(tok) == 600 and model.config.vocab_size == 600
+    assert model.config.head_dim == 16 and model.model.layers[0].self_attn.q_proj.out_features == 4 * 16
+    assert model.config.max_position_embeddings == 1024
+    assert tok.decode([599]) == "<|unused_" + str(600 - len(E.vocabulary(9, ["+"])) - 1) + "|>"
+    assert tok.convert_tokens_to_ids("####") == E.vocabulary(9, ["+"]).index("####")  # real words keep their ids
+
+
+def test_vocab_size_below_the_tokenizer_is_refused_before_loading(tmp_path):
+    from harness.cli import InputError, check_inputs
+
+    with pytest.raises(ValueError, match="model.vocab_size = 10"):
+        E.padded_vocabulary(9, ["+"], 10)
+    with pytest.raises(InputError, match="model.vocab_size"):
+        check_inputs(small_spec("model.vocab_size=10"), scratch=True)

@@ -75,3 +75,15 @@ def test_wrong_length_names_the_function():
     with pytest.raises(ValueError, match="'my_reward' returned 2 rewards, but 3 were expected"):
         R.check_rewards("my_reward", [1.0, 0.0], 3)
     assert R.check_rewards("f", [1, None], 2)[0] == 1.0 and math.isnan(R.check_rewards("f", [1, None], 2)[1])
+
+
+def test_noise_reward_is_stable_spread_and_in_range():
+    from scratch_grpo.rewards import noise_reward, reward_noise
+
+    texts = [f"completion {i}" for i in range(400)]
+    a = reward_noise([[{"role": "assistant", "content": t}] for t in texts])
+    assert a == reward_noise(texts) == [noise_reward(t) for t in texts]  # conversational or plain: same score
+    assert all(0.0 <= v < 1.0 for v in a)
+    assert 0.45 < sum(a) / len(a) < 0.55 and len(set(a)) == len(a)  # uniform-looking, no ties
+    # known answer: the first 8 bytes of sha256("") as a fraction of 2**64
+    assert noise_reward("") == int("e3b0c44298fc1c14", 16) / 2**64

@@ -32,6 +32,8 @@ class HarnessGRPOTrainer(GRPOTrainer):
         self.harness_max_prompt_tokens = max_prompt_tokens
         self.harness_lockstep_seed = lockstep_seed
         self.harness_generations: list[dict] = []  # one record per generation round
+        self.harness_gen_s = 0.0  # seconds in the last generation (TRL's own, or the lockstep rollout_func)
+        self.harness_s = 0.0  # seconds of harness bookkeeping since the last log line
         super().__init__(*args, **kwargs)
 
     def _tokenize_prompts(self, prompts):
@@ -41,14 +43,17 @@ class HarnessGRPOTrainer(GRPOTrainer):
         return prompt_ids, images, fields
 
     def _generate(self, prompts):
+        t0 = time.perf_counter()
         out = super()._generate(prompts)
-        prompt_ids, completion_ids = out[0], out[1]
+        prompt_ids, completion_ids = out[0], out[1]  # host lists: the GPU work is done
+        self.harness_gen_s = time.perf_counter() - t0
         self._harness_tokens = sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
         return out
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
         out = super()._generate_and_score_completions(inputs)
+        t0 = time.perf_counter()
         if mode == "train":
             from accelerate.utils import gather_object
 
@@ -67,6 +72,7 @@ class HarnessGRPOTrainer(GRPOTrainer):
                 from scratch_grpo.train import shuffle_seed
 
                 torch.manual_seed(shuffle_seed(self.harness_lockstep_seed, len(self.harness_generations) - 1))
+        self.harness_s += time.perf_counter() - t0
         return out
 
 
@@ -103,7 +109,9 @@ class MetricLogCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.sketch is not None:
+            t0 = time.perf_counter()
             self.sketch.record(model if model is not None else self.trainer.model)
+            self.trainer.harness_s += time.perf_counter() - t0
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.device.startswith("cuda") and state.global_step == 0:
@@ -116,6 +124,7 @@ class MetricLogCallback(TrainerCallback):
 
         if not logs or "loss" not in logs:  # the end-of-training summary carries no step metrics
             return
+        t_harness = time.perf_counter()
         gens = self.trainer.harness_generations
         last = gens[-1]
         row = {"step": state.global_step}
@@ -134,8 +143,11 @@ class MetricLogCallback(TrainerCallback):
             "prompts_in_step": len(last["prompt_idx"]), "sequences_in_step": last["sequences"],
             "prompt_ids_hash": hash_prompt_ids(last["prompt_idx"]), "tokens_in_step": last["tokens"],
             "epoch": self.prompts_seen / self.n_rows,
+            "gen_s": self.trainer.harness_gen_s,
+            "harness_s": self.trainer.harness_s + time.perf_counter() - t_harness,
             "wall_s": time.perf_counter() - self.t0, "peak_mem_bytes": peak_memory_bytes(self.device),
         })
+        self.trainer.harness_gen_s = self.trainer.harness_s = 0.0
         self.writer.log_step(row)
         if self.seen_generations and "reward" in row:  # a generation step: keep a few of its completions
             self._log_completions(state.global_step)
