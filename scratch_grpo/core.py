@@ -67,10 +67,19 @@ def _lean(logits: torch.Tensor) -> bool:
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens (in fp32)."""
-    if _lean(logits):
+    if _lean(logits) and logits.dim() == 3:
         return _LeanLogprobs.apply(logits, targets, temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _row_chunks(logits: torch.Tensor):
+    """(batch row, position slice) pieces of at most CHUNK_ROWS positions: views, never a copy of `logits`
+    (which is usually a non-contiguous slice of the model's output)."""
+    B, T = logits.shape[:2]
+    for b in range(B):
+        for s in range(0, T, CHUNK_ROWS):
+            yield b, slice(s, s + CHUNK_ROWS)
 
 
 class _LeanLogprobs(torch.autograd.Function):
@@ -81,41 +90,38 @@ class _LeanLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature):
-        flat, idx = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
-        out = torch.empty(idx.shape, dtype=torch.float32, device=logits.device)
+        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        for s in range(0, flat.size(0), CHUNK_ROWS):
-            x = flat[s:s + CHUNK_ROWS].float() / temperature
-            lse[s:s + CHUNK_ROWS] = torch.logsumexp(x, dim=-1)
-            out[s:s + CHUNK_ROWS] = x.gather(-1, idx[s:s + CHUNK_ROWS, None]).squeeze(-1) - lse[s:s + CHUNK_ROWS]
+        for b, t in _row_chunks(logits):
+            x = logits[b, t].float() / temperature
+            lse[b, t] = torch.logsumexp(x, dim=-1)
+            out[b, t] = x.gather(-1, targets[b, t, None]).squeeze(-1) - lse[b, t]
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
-        return out.view(targets.shape)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, targets, lse = ctx.saved_tensors
         T = ctx.temperature
-        flat, idx, g = logits.reshape(-1, logits.size(-1)), targets.reshape(-1), grad_out.reshape(-1).float()
-        grad = torch.empty_like(flat)
-        for s in range(0, flat.size(0), CHUNK_ROWS):
-            rows = slice(s, s + CHUNK_ROWS)
-            p = torch.exp(flat[rows].float() / T - lse[rows, None])
-            d = -p * g[rows, None]
-            d.scatter_add_(-1, idx[rows, None], g[rows, None])
-            grad[rows] = (d / T).to(grad.dtype)
-        return grad.view(logits.shape), None, None
+        g = grad_out.float()
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b, t in _row_chunks(logits):
+            p = torch.exp(logits[b, t].float() / T - lse[b, t, None])
+            d = -p * g[b, t, None]
+            d.scatter_add_(-1, targets[b, t, None], g[b, t, None])
+            grad[b, t] = (d / T).to(grad.dtype)
+        return grad, None, None
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """H = -sum_v p_v log p_v per position, of softmax(logits / temperature)."""
-    if _lean(logits) and not logits.requires_grad:
-        flat = logits.reshape(-1, logits.size(-1))
-        out = torch.empty(flat.size(0), dtype=torch.float32, device=logits.device)
-        for s in range(0, flat.size(0), CHUNK_ROWS):
-            logp = torch.log_softmax(flat[s:s + CHUNK_ROWS].float() / temperature, dim=-1)
-            out[s:s + CHUNK_ROWS] = -(logp.exp() * logp).sum(-1)
-        return out.view(logits.shape[:-1])
+    if _lean(logits) and not logits.requires_grad and logits.dim() == 3:
+        out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        for b, t in _row_chunks(logits):
+            logp = torch.log_softmax(logits[b, t].float() / temperature, dim=-1)
+            out[b, t] = -(logp.exp() * logp).sum(-1)
+        return out
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 

@@ -51,6 +51,32 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+DECODE_ATTENTION = "grpo_static_decode"
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for the decoder's inference copy. One query token with grouped KV heads: the query heads that
+    share a KV head become that head's query rows, (B, H, 1, D) -> (B, KV, H/KV, D), so SDPA reads each cached
+    key/value once instead of after `repeat_kv` copied it H/KV times. Anything else: transformers' SDPA path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, q_len, D = query.shape
+    kv = key.shape[1]
+    if q_len != 1 or H == kv:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    grouped = query.reshape(B, kv, H // kv, D)  # head h reads KV head h // (H / KV), as repeat_kv lays it out
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2), None
+
+
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+
+
 class FixedCache:
     """Per-layer key/value buffers of fixed shape (B, kv_heads, L, head_dim), written at `position`.
 
@@ -79,12 +105,16 @@ class StaticDecoder:
 
     label = "static KV cache + CUDA graph"
 
-    def __init__(self, policy, *, eos_ids: list[int], pad_id: int, dtype: str, graphs: bool | None = None):
+    def __init__(self, policy, *, eos_ids: list[int], pad_id: int, dtype: str, graphs: bool | None = None,
+                 pack_gqa: bool = True):
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.net = copy.deepcopy(policy).eval().to(getattr(torch, dtype))
         if self.net.supports_gradient_checkpointing:
             self.net.gradient_checkpointing_disable()
         self.net.requires_grad_(False)
+        if pack_gqa:
+            _register_decode_attention()
+            self.net.config._attn_implementation = DECODE_ATTENTION  # the copy's config only
         self.device = next(self.net.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.last_stats: dict[str, float] = {}

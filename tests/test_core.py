@@ -197,11 +197,13 @@ def test_lean_logprobs_and_entropy_match_the_plain_expressions():
     from scratch_grpo import core
 
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 700, 50, generator=g) * 3)  # 2100 rows: crosses CHUNK_ROWS chunks
-    targets = torch.randint(0, 50, (3, 700), generator=g)
-    weights = torch.randn(3, 700, generator=g)
+    full = torch.randn(3, 1400, 50, generator=g) * 3
+    logits = full[:, :1300]
+    targets = torch.randint(0, 50, (3, 1300), generator=g)
+    weights = torch.randn(3, 1300, generator=g)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        x = logits.detach().to(dtype).clone().requires_grad_(True)
+        leaf = full.detach().to(dtype).clone().requires_grad_(True)
+        x = leaf[:, :1300]  # as the loop hands it over: a non-contiguous slice of the model output, 2 chunks a row
         lean = core._LeanLogprobs.apply(x, targets, 0.7)
         (lean * weights).sum().backward()
         ref_x = x.detach().float().requires_grad_(True)
@@ -209,7 +211,8 @@ def test_lean_logprobs_and_entropy_match_the_plain_expressions():
         (ref * weights).sum().backward()
         assert lean.dtype == torch.float32
         torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)  # fp32 math on the same inputs
-        torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(leaf.grad[:, :1300].float(), ref_x.grad, rtol=tol, atol=tol)
+        assert not leaf.grad[:, 1300:].any()
     bf = logits.bfloat16()
     assert core._lean(bf) and not core._lean(logits)
     plain = -(torch.log_softmax(bf.float() / 0.7, -1).exp() * torch.log_softmax(bf.float() / 0.7, -1)).sum(-1)

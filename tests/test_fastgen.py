@@ -104,6 +104,7 @@ def test_cuda_graph_decoder_matches_eager_on_gpu():
     a = graph.generate(prompts, max_tokens=24, temperature=1.0)
     torch.manual_seed(5)
     b = eager.generate(prompts, max_tokens=24, temperature=1.0)
+    assert graph.graphs, graph.describe()  # the capture held (a failed capture falls back to eager and says so)
     assert a[0] == b[0]
     diff = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
     assert diff < 1e-3, diff

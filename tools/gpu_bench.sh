@@ -10,19 +10,22 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT/gpu.txt"
+PARTS=${PARTS:-"tests decode lockstep bench"}  # which parts to run, in this order
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS_LOCK=${STEPS_LOCK:-10}
 STEPS_BENCH=${STEPS_BENCH:-5}
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+has tests && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 # build the 0.6B-shaped checkpoint once (both parts use it)
 timeout 120 python3 -c "from harness.spec import load_spec; from harness.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
+has decode && timeout 150 python3 tools/decode_bench.py 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
 t0=$(date +%s)
-timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out /tmp/lock --verbose \
+has lockstep && timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out /tmp/lock --verbose \
   2>&1 | grep -v -i warn | tail -40 | tee "$OUT/lockstep.log"
-echo "lockstep wall: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/lockstep.log"
+has lockstep && echo "lockstep wall: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/lockstep.log"
 cp /tmp/lock/verdict.json "$OUT/lockstep_verdict.json" 2>/dev/null; cp /tmp/lock/report.html "$OUT/lockstep_report.html" 2>/dev/null
-for f in /tmp/lock/*/*/metrics.jsonl /tmp/lock/*/*/manifest.json; do d=$OUT/lock_logs/$(echo "$f" | sed 's|/tmp/lock/||; s|/|_|g'); mkdir -p "$OUT/lock_logs"; cp "$f" "$d"; done 2>/dev/null
-timeout "${BENCH_LIMIT:-330}" python3 -m harness bench --spec harness/specs/bench.toml --steps "$STEPS_BENCH" --out /tmp/bench \
+has bench && timeout "${BENCH_LIMIT:-330}" python3 -m harness bench --spec harness/specs/bench.toml --steps "$STEPS_BENCH" --out /tmp/bench \
   2>&1 | grep -v -i warn | tail -30 | tee "$OUT/bench.log"
 cp /tmp/bench/bench.json /tmp/bench/bench.md "$OUT/" 2>/dev/null
-mkdir -p "$OUT/bench_logs"; for d in /tmp/bench/*-*/; do cp "$d/metrics.jsonl" "$OUT/bench_logs/$(basename "$d").jsonl" 2>/dev/null; done
+# every run's metric log and manifest, in one file (few files come back from the device)
+(cd /tmp && tar czf "$OUT/logs.tgz" $(ls -d lock/*/*/metrics.jsonl lock/*/*/manifest.json bench/*-*/metrics.jsonl bench/*-*/manifest.json 2>/dev/null))
 true

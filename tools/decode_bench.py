@@ -1,0 +1,72 @@
+"""Decode speed of the scratch loop's samplers on one GPU: transformers' generate against the static-cache
+decoder (eager / CUDA graph, with and without grouped-query packing), at the benchmark spec's shape.
+
+    python tools/decode_bench.py [--spec harness/specs/bench.toml] [--tokens 128] [--batch 64]
+
+Prints ms per decode step for each variant, whether graph capture held, and the cost of the sampling rule
+alone. Random weights never say eos, so every row decodes --tokens steps."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", default="harness/specs/bench.toml")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    from harness.data import load_rows, to_prompt_rows
+    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+    from harness.spec import load_spec
+    from scratch_grpo.fastgen import StaticDecoder, sample_next
+    from scratch_grpo.sampling import encode_prompts, generate_completions
+
+    spec = load_spec(args.spec)
+    ckpt = checkpoint_dir(spec)
+    tok, model = load_tokenizer(ckpt), load_model(ckpt, "float32", "cuda")
+    eos = eos_token_ids(model.generation_config, tok)
+    rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+    prompts = encode_prompts(tok, [r["prompt"] for r in rows[: args.batch]])
+    prompts = (prompts * args.batch)[: args.batch]
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; batch {args.batch}, {args.tokens} tokens")
+    dt, out = timed(lambda: generate_completions(model, prompts, eos_ids=eos, pad_id=tok.pad_token_id,
+                                                 max_tokens=args.tokens, temperature=1.0, top_p=1.0, top_k=0,
+                                                 device="cuda", dtype="bfloat16"))
+    n = max(len(c) for c in out)
+    print(f"{'transformers generate (autocast)':44s} {1000 * dt / n:7.2f} ms/step  ({n} steps, {dt:.2f} s)")
+    for graphs in (False, True):
+        for pack in (False, True):
+            dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=graphs,
+                                pack_gqa=pack)
+            gen = lambda: dec.generate(prompts, max_tokens=args.tokens, temperature=1.0)  # noqa: E731
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                timed(gen)  # first call: allocator, kernels
+                dt, (out, _) = timed(gen)
+            for w in caught:
+                if "graph" in str(w.message):
+                    print("   warning:", str(w.message)[:300])
+            n = max(len(c) for c in out)
+            name = f"static, {'graph' if graphs else 'eager'}{', packed GQA' if pack else ''} -> {dec.describe()}"
+            print(f"{name:44s} {1000 * dt / n:7.2f} ms/step  ({n} steps, {dt:.2f} s)")
+    logits = torch.randn(args.batch, model.config.vocab_size, device="cuda", dtype=torch.bfloat16)
+    dt, _ = timed(lambda: [sample_next(logits, 1.0) for _ in range(100)])
+    print(f"{'sample_next alone':44s} {10 * dt:7.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
