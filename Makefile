@@ -10,7 +10,9 @@ SPEC ?= harness/specs/default.toml
 OUT ?= runs/parity
 STAMP := $(VENV)/.installed
 
-.PHONY: parity test env smol clean
+BENCH_SPEC ?= harness/specs/bench.toml
+
+.PHONY: parity test bench env smol clean
 
 $(STAMP): pyproject.toml
 	@echo "== setting up $(VENV) ($(TORCH), then this package and its pinned dependencies)"
@@ -27,6 +29,11 @@ parity: $(STAMP)
 
 test: $(STAMP)
 	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$rc
+
+# Both loops on one GPU (scratch, TRL, scratch) at the lesson's config, against the measured floor; needs a GPU
+# and a CUDA torch (`make bench TORCH=torch`). The table goes to runs/bench/bench.md.
+bench: $(STAMP)
+	$(PY) -m harness bench --spec $(BENCH_SPEC) --out runs/bench
 
 # SmolLM2-135M-Instruct, a real instruct model from the registry (93 MB); see pyproject's [smol] note.
 smol: $(STAMP)

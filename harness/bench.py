@@ -158,7 +158,7 @@ def run_bench(spec, out_dir, log=print, progress: bool = True) -> dict:
     from trl_runner.runner import train as train_trl
 
     if spec.STEPS < 2:
-        raise ValueError("STEPS: the benchmark takes medians over steps 2..N; use at least 3")
+        raise ValueError("STEPS: the benchmark takes medians over steps 2..N (step 1 is warm-up); use at least 2, better 5")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(spec)

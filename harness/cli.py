@@ -35,9 +35,12 @@ def check_inputs(spec, scratch: bool = True) -> None:
     from harness.data import DataError, load_rows, to_prompt_rows
     from harness.models import ModelSourceError
 
-    if scratch and spec.sampler.kind == "vllm":
-        raise InputError("sampler.kind = \"vllm\": the scratch loop has no vLLM path yet (the GPU issue); run the "
-                         "TRL side alone (`run trl`), or use sampler.kind = \"emulated\" for both loops")
+    if scratch and spec.sampler.kind == "vllm":  # (TRL's side says the same itself when it starts)
+        from harness.sampler import vllm_available
+
+        if not vllm_available():
+            raise InputError("sampler.kind = \"vllm\" needs vLLM, which is not installed here: on a GPU machine "
+                             "`pip install -e '.[vllm]'`; elsewhere use sampler.kind = \"emulated\" (a stated stand-in)")
     try:
         to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
         if spec.data.source == "synthetic" or spec.model.source == "embedded":
@@ -152,7 +155,11 @@ def cmd_preflight(args) -> int:
             print(f"note: data not readable here ({e}); steps per epoch left out")
     tr, diffs, facts = preflight(spec, n_rows=n_rows)
     if spec.sampler.kind == "vllm":
-        print("note: the scratch loop has no vLLM path yet; parity needs sampler.kind = \"emulated\" or \"policy\"")
+        from harness.sampler import vllm_available
+
+        if not vllm_available():
+            print("note: sampler.kind = \"vllm\" but vLLM is not installed here; runs need it (pip install -e "
+                  "'.[vllm]' on a GPU machine)")
     print(format_mapping(tr.table))
     print()
     print(format_preflight(facts, diffs))

@@ -38,6 +38,14 @@ class RecordingSource:
         spec = self.spec
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.device.startswith("cuda") else []):
             torch.manual_seed(spec.SEED * 7_368_787 + round_idx)
+            if spec.sampler.kind == "vllm":  # the recording comes from vLLM, with its log-probs
+                from harness.sampler import VLLMSampler
+
+                if self.sampler is None:
+                    longest = max(map(len, prompt_ids))
+                    self.sampler = VLLMSampler(spec, policy.name_or_path, max_model_len=longest + spec.MAX_TOKENS)
+                self.sampler.sync_weights(policy)
+                return self.sampler.generate(prompt_ids)
             if spec.sampler.kind == "emulated":
                 from harness.sampler import EmulatedSampler
 

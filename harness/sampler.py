@@ -56,3 +56,67 @@ class EmulatedSampler:
         logps = score_completions(self.model, prompt_ids, completions, pad_id=self.pad_id,
                                   temperature=spec.TEMPERATURE, device=self.device, dtype=spec.DTYPE)
         return completions, logps
+
+
+def vllm_completions(outputs) -> tuple[list[list[int]], list[list[float]]]:
+    """Completion ids and the sampled tokens' log-probs from vLLM `RequestOutput`s (one sample each).
+
+    With `SamplingParams(logprobs=0)` each position's dict holds the sampled token (vLLM always includes it);
+    with `logprobs_mode="processed_logprobs"` those are log-probs after temperature, as TRL asks for."""
+    ids, logps = [], []
+    for request in outputs:
+        sample = request.outputs[0]
+        tokens = list(sample.token_ids)
+        if sample.logprobs is None:
+            raise ValueError("vLLM returned no log-probs: SamplingParams(logprobs=0) is required")
+        ids.append(tokens)
+        logps.append([float(pos[tok].logprob) for tok, pos in zip(tokens, sample.logprobs, strict=True)])
+    return ids, logps
+
+
+class VLLMSampler:
+    """vLLM colocated in this process (one GPU), as TRL 1.16's `vllm_mode="colocate"` builds it: the same LLM
+    arguments, weights pushed with `load_weights` before each round, the sampled tokens' processed log-probs
+    returned for the IS correction. Not run on the project's GPU machine (vLLM cannot be installed there)."""
+
+    label = "vLLM (colocate)"
+
+    def __init__(self, spec, checkpoint, max_model_len: int):
+        import os
+
+        from vllm import LLM
+
+        self.spec = spec
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", "29533")):
+            os.environ.setdefault(key, value)  # external_launcher reads the torch.distributed variables
+        self.llm = LLM(model=str(checkpoint), gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
+                       max_model_len=max_model_len, distributed_executor_backend="external_launcher",
+                       seed=spec.SEED, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+                       dtype="bfloat16" if spec.DTYPE == "bfloat16" else "float32")
+
+    def describe(self) -> str:
+        return f"{self.label}, gpu_memory_utilization {self.spec.sampler.vllm_gpu_memory_utilization}"
+
+    @torch.no_grad()
+    def sync_weights(self, policy) -> None:
+        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        for name, param in policy.named_parameters():
+            model.load_weights([(name, param.detach())])
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        from vllm import SamplingParams
+
+        s = self.spec
+        params = SamplingParams(n=1, temperature=s.TEMPERATURE, top_p=s.TOP_P, top_k=s.TOP_K, max_tokens=s.MAX_TOKENS,
+                                logprobs=0)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
+                                    use_tqdm=False)
+        return vllm_completions(outputs)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None

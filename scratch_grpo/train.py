@@ -82,8 +82,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
         from harness.sampler import EmulatedSampler
 
         sampler = EmulatedSampler(spec, model, eos_ids, pad_id, device)
-    elif spec.sampler.kind == "vllm" and rollout_source is None:
-        raise NotImplementedError("sampler.kind = \"vllm\" for the scratch loop: see issue on GPU runs")
+    elif spec.sampler.kind == "vllm" and rollout_source is None:  # vLLM colocated, as TRL's colocate mode
+        from harness.sampler import VLLMSampler
+
+        longest = max(map(len, prompt_tokens))
+        sampler = VLLMSampler(spec, ckpt, max_model_len=longest + spec.MAX_TOKENS)
     # the policy's own sampling: transformers' generate, or a static-cache decoder (GENERATION; auto on a GPU)
     decoder = None
     if sampler is None and rollout_source is None:

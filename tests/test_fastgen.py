@@ -108,3 +108,21 @@ def test_cuda_graph_decoder_matches_eager_on_gpu():
     assert a[0] == b[0]
     diff = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
     assert diff < 1e-3, diff
+
+
+def test_vllm_outputs_become_completions_and_logprobs():
+    """The one piece of the vLLM path that runs without vLLM: reading its RequestOutputs (shaped as vLLM 0.22+
+    returns them with SamplingParams(logprobs=0): per position, a dict holding the sampled token's Logprob)."""
+    from types import SimpleNamespace as NS
+
+    from harness.sampler import vllm_completions
+
+    def request(tokens, logps, extra=None):
+        positions = [{t: NS(logprob=lp, rank=1), **(extra or {})} for t, lp in zip(tokens, logps)]
+        return NS(outputs=[NS(token_ids=tuple(tokens), logprobs=positions)])
+
+    ids, lps = vllm_completions([request([5, 9, 2], [-0.5, -1.25, -0.01], extra={7: NS(logprob=-0.1, rank=1)}),
+                                 request([3], [-2.0])])
+    assert ids == [[5, 9, 2], [3]] and lps == [[-0.5, -1.25, -0.01], [-2.0]]
+    with pytest.raises(ValueError, match="logprobs=0"):
+        vllm_completions([NS(outputs=[NS(token_ids=(1,), logprobs=None)])])

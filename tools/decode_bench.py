@@ -63,9 +63,30 @@ def main() -> None:
             n = max(len(c) for c in out)
             name = f"static, {'graph' if graphs else 'eager'}{', packed GQA' if pack else ''} -> {dec.describe()}"
             print(f"{name:44s} {1000 * dt / n:7.2f} ms/step  ({n} steps, {dt:.2f} s)")
+    profile(model, prompts, eos, tok.pad_token_id)
     logits = torch.randn(args.batch, model.config.vocab_size, device="cuda", dtype=torch.bfloat16)
     dt, _ = timed(lambda: [sample_next(logits, 1.0) for _ in range(100)])
     print(f"{'sample_next alone':44s} {10 * dt:7.2f} ms/step")
+
+
+def profile(model, prompts, eos, pad_id, steps: int = 16) -> None:
+    """Kernels per decode step and GPU busy time, from the CUDA profiler over an eager packed decode."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from scratch_grpo.fastgen import StaticDecoder
+
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=pad_id, dtype="bfloat16", graphs=False)
+    dec.generate(prompts, max_tokens=steps, temperature=1.0)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.generate(prompts, max_tokens=steps, temperature=1.0)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    count = sum(e.count for e in events)
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"profile (eager, packed, {steps} steps incl. prefill): {count / steps:.0f} kernels per step, "
+          f"GPU busy {busy_us / steps / 1000:.2f} ms per step, {busy_us / max(count, 1):.1f} us per kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"   {e.self_device_time_total / steps / 1000:6.3f} ms/step  {e.count / steps:5.0f}/step  {e.key[:90]}")
 
 
 if __name__ == "__main__":
