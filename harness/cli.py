@@ -102,6 +102,7 @@ def cmd_parity(args) -> int:
         spec = _load(args) if args.spec else parse_spec(doc["base_spec"])
         args.out, args.matrix, args.mode = args.resume, doc["matrix"], doc["mode"]
         args.processes = doc.get("processes", 1)
+        args.cells = ",".join(doc.get("cells_selected", [])) or None
     elif not args.spec:
         raise InputError("parity needs --spec FILE (or --resume DIR)")
     else:
@@ -126,8 +127,14 @@ def cmd_parity(args) -> int:
     from harness.signals import graceful_stop
 
     with graceful_stop():
-        doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print,
-                  resume=bool(args.resume), processes=args.processes, jobs=args.jobs)
+        try:
+            doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print,
+                      resume=bool(args.resume), processes=args.processes, jobs=args.jobs,
+                      only=[c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else None)
+        except ValueError as e:
+            if str(e).startswith("--cells"):
+                raise InputError(str(e)) from None
+            raise
     text = format_verdict(doc)
     (out / "summary.txt").write_text(text + "\n")
     print()
@@ -273,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--matrix", choices=("none", "default", "full"), default="default",
                     help="none: the spec as given, one cell; default: each check toggled alone plus matched pairs; "
                          "full: batch x loss_type x IS")
+    pa.add_argument("--cells", metavar="NAME,NAME", help="run only these cells of the matrix (names as in the "
+                                                         "verdict, e.g. matched,loss_type=dapo)")
     pa.add_argument("--processes", type=int, default=1, metavar="N",
                     help="add the world-size cells: TRL on N processes (accumulation / N) against the one-process "
                          "scratch loop, for each loss type")

@@ -279,6 +279,10 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = build_cells(base, matrix, processes)
     if only:
+        unknown = sorted(set(only) - {c.name for c in cells})
+        if unknown:
+            raise ValueError(f"--cells: no cell named {', '.join(unknown)} in matrix {matrix!r}; its cells: "
+                             + ", ".join(c.name for c in cells))
         cells = [c for c in cells if c.name in only]
     done = {}
     if resume and (out_dir / "verdict.json").exists():
@@ -295,7 +299,7 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         results[v["name"]] = v
         log(f"    {v['name']}: " + _cell_line(v))
         ordered = [results[c.name] for c in cells if c.name in results]
-        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes))
+        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes, only))
 
     pending = []
     for i, cell in enumerate(cells, 1):
@@ -329,7 +333,7 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
             for fut in as_completed(futures):
                 finished(fut.result())
     ordered = [results[c.name] for c in cells if c.name in results]
-    doc = _verdict_doc(base, matrix, mode, ordered, t_start, processes)
+    doc = _verdict_doc(base, matrix, mode, ordered, t_start, processes, only)
     _write_json(out_dir / "verdict.json", doc)
     return doc
 
@@ -347,11 +351,11 @@ def _json_default(o):
     return str(o)
 
 
-def _verdict_doc(base, matrix, mode, verdicts, t_start, processes) -> dict:
+def _verdict_doc(base, matrix, mode, verdicts, t_start, processes, only=None) -> dict:
     from harness.runlog import library_versions
 
     return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
-            "base_spec": base.to_dict(), "processes": processes, "cells": verdicts,
+            "base_spec": base.to_dict(), "processes": processes, "cells_selected": list(only or []), "cells": verdicts,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
 
 

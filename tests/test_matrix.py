@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import small_spec
+from conftest import DEFAULT_SPEC, small_spec
 from harness import matrix as M
 
 
@@ -98,3 +98,20 @@ def test_jobs_run_cells_in_parallel_workers_with_the_same_verdicts(tmp_path):
     strip = lambda doc: [(c["name"], c["verdict"], c["first_divergence"], c["attribution"]) for c in doc["cells"]]  # noqa: E731
     assert strip(one) == strip(two) and two["ok"]
     assert [c["name"] for c in json.loads((tmp_path / "two" / "verdict.json").read_text())["cells"]] == only
+
+
+def test_cells_flag_runs_only_the_named_cells_and_refuses_unknown_ones(tmp_path, capsys):
+    import json
+
+    from harness.cli import main
+
+    out = tmp_path / "p"
+    assert main(["parity", "--spec", str(DEFAULT_SPEC), "--set", "STEPS=3", "--cells", "matched,loss_type=dapo",
+                 "--quiet", "--out", str(out)]) == 0
+    doc = json.loads((out / "verdict.json").read_text())
+    assert [c["name"] for c in doc["cells"]] == ["matched", "loss_type=dapo"]
+    assert doc["cells_selected"] == ["matched", "loss_type=dapo"]
+    assert main(["parity", "--spec", str(DEFAULT_SPEC), "--cells", "matched,loss_type=nope", "--out",
+                 str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "no cell named loss_type=nope" in err and "batch=naive" in err
