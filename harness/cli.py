@@ -217,11 +217,16 @@ def cmd_bench(args) -> int:
 
     translate(spec)
     from harness.bench import format_bench, run_bench
+    from harness.models import ModelSourceError, resolve_device
 
+    if spec.STEPS < 2:
+        raise InputError("STEPS: the benchmark takes medians over steps 2..N (step 1 is warm-up); use at least 2, "
+                         "better 5")
     try:
-        result = run_bench(spec, args.out, progress=not args.quiet)
-    except ValueError as e:
+        resolve_device(spec)
+    except ModelSourceError as e:
         raise InputError(str(e)) from None
+    result = run_bench(spec, args.out, progress=not args.quiet)
     print()
     print(format_bench(result))
     print(f"\nwrote {Path(args.out) / 'bench.json'} and bench.md (paste the table into docs/benchmarks.md)")

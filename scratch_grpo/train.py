@@ -101,7 +101,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS))
 
     extra = {"checkpoint": str(ckpt), "sampler": sampler.describe() if sampler else spec.sampler.kind,
-             "generation": decoder.describe() if decoder else "transformers generate",
+             "generation": (decoder.describe() if decoder else sampler.describe() if sampler
+                            else "given (lockstep rollouts)" if rollout_source else "transformers generate"),
              "rollouts": "external (lockstep)" if rollout_source else "own"}
     writer = RunWriter(out_dir, "scratch", spec, device, extra)
     sketch = ParamSketch(model, writer.dir, seed=spec.SEED)  # the weights after each step, for lockstep parity

@@ -15,8 +15,8 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS_LOCK=${STEPS_LOCK:-10}
 STEPS_BENCH=${STEPS_BENCH:-5}
 has tests && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
-# build the 0.6B-shaped checkpoint once (both parts use it)
-timeout 120 python3 -c "from harness.spec import load_spec; from harness.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
+# build the 0.6B-shaped checkpoint once (the other parts use it)
+[[ "$PARTS" == *decode* || "$PARTS" == *lockstep* || "$PARTS" == *bench* ]] && timeout 120 python3 -c "from harness.spec import load_spec; from harness.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
 has decode && timeout 150 python3 tools/decode_bench.py 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
 t0=$(date +%s)
 has lockstep && timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out /tmp/lock --verbose \
@@ -27,5 +27,6 @@ has bench && timeout "${BENCH_LIMIT:-330}" python3 -m harness bench --spec harne
   2>&1 | grep -v -i warn | tail -30 | tee "$OUT/bench.log"
 cp /tmp/bench/bench.json /tmp/bench/bench.md "$OUT/" 2>/dev/null
 # every run's metric log and manifest, in one file (few files come back from the device)
-(cd /tmp && tar czf "$OUT/logs.tgz" $(ls -d lock/*/*/metrics.jsonl lock/*/*/manifest.json bench/*-*/metrics.jsonl bench/*-*/manifest.json 2>/dev/null))
+logs=$(cd /tmp && ls -d lock/*/*/metrics.jsonl lock/*/*/manifest.json bench/*-*/metrics.jsonl bench/*-*/manifest.json 2>/dev/null)
+[ -n "$logs" ] && (cd /tmp && tar czf "$OUT/logs.tgz" $logs)
 true
