@@ -59,7 +59,10 @@ def run(*args):
 
 
 def test_preflight_cli_exit_codes(tmp_path):
-    assert run("preflight", "--spec", str(DEFAULT_SPEC)).returncode == 0
+    r = run("preflight", "--spec", str(DEFAULT_SPEC))
+    assert r.returncode == 0 and "GENERATION" not in r.stdout  # CPU: both sides sample through generate
+    r = run("preflight", "--spec", str(ROOT / "harness" / "specs" / "bench.toml"))
+    assert r.returncode == 0 and 'set GENERATION = "hf"' in r.stdout  # GPU: the scratch decoder's copy is stated
     r = run("preflight", "--spec", str(DEFAULT_SPEC), "--set", 'trl.loss_type="dapo"')
     assert r.returncode == 1 and "[loss_type] loss normalizer: scratch 'sequence' vs TRL 'token_global'" in r.stdout
     assert "per_device_train_batch_size" in r.stdout  # the mapping table comes first
