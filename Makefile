@@ -24,8 +24,17 @@ $(STAMP): pyproject.toml
 
 env: $(STAMP)
 
+# The length task (free runs, 8 seeds per side, ~2-3 min on 2 cores): the lesson's loss_type symptom, length
+# curves that split, which lockstep cannot show (both sides score the same completions). DEMO= skips it.
+DEMO ?= harness/specs/lengths.toml
+
 parity: $(STAMP)
 	$(PY) -m harness parity --spec $(SPEC) --out $(OUT)
+	@if [ -n "$(DEMO)" ]; then \
+	  echo; echo "== loss_type in free runs: $(DEMO) (scratch sequence vs TRL grpo, and vs TRL's default dapo)"; \
+	  $(PY) -m harness parity --spec $(DEMO) --mode free --cells matched,loss_type=dapo --out $(OUT)-lengths && \
+	  echo && echo "reports: $(OUT)/report.html (lockstep matrix), $(OUT)-lengths/report.html (length split); index: $$(dirname $(OUT))/index.html"; \
+	fi
 
 test: $(STAMP)
 	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$rc

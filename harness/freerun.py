@@ -29,7 +29,6 @@ from harness.compare import compare_frames, load_any_run, load_tolerances
 
 FREE_METRICS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length")
 EXACT_FREE = ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "learning_rate", "epoch")
-DEFAULT_SEEDS = 3
 DEFAULT_WINDOWS = 5
 
 
@@ -157,14 +156,15 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
     return result
 
 
-def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int = DEFAULT_SEEDS) -> dict:
-    """Both loops, `seeds` seeds each (SEED, SEED+1, ...), each sampling for itself; then compare_free."""
+def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int | None = None) -> dict:
+    """Both loops, `seeds` (default: the spec's FREE_SEEDS) seeds each (SEED, SEED+1, ...), each sampling for
+    itself; then compare_free."""
     from harness.preflight import apply_alignment
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 
     runs = {"scratch": [], "trl": []}
-    for i in range(seeds):
+    for i in range(seeds or spec.FREE_SEEDS):
         seeded = apply_alignment(spec, {"set": {"SEED": spec.SEED + i}})
         for side, fn in (("scratch", train_scratch), ("trl", train_trl)):
             d = Path(out_dir) / side / f"seed-{spec.SEED + i}"

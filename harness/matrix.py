@@ -382,8 +382,9 @@ def _cell_line(v: dict) -> str:
 
 
 def format_verdict(doc: dict) -> str:
+    selected = f" (cells {', '.join(doc['cells_selected'])})" if doc.get("cells_selected") else ""
     lines = [f"parity {'OK' if doc['ok'] else 'NOT OK'}: {sum(v['ok'] for v in doc['cells'])}/{len(doc['cells'])} "
-             f"cells as expected ({doc['mode']}, matrix {doc['matrix']}, {doc['elapsed_s']:.0f} s)", ""]
+             f"cells as expected ({doc['mode']}, matrix {doc['matrix']}{selected}, {doc['elapsed_s']:.0f} s)", ""]
     lines.append(f"{'cell':30s} {'expected':9s} {'got':9s} {'first divergence':28s} cause")
     for v in doc["cells"]:
         fd = v.get("first_divergence")

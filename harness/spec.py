@@ -192,6 +192,8 @@ class Spec:
                     "bf16=True with a bf16-loaded model).", choices=("float32", "bfloat16"))
     DEVICE: str = _f("cpu", "`cpu`, `cuda`, or `auto` (cuda when available).", choices=("cpu", "cuda", "auto"))
     GRADIENT_CHECKPOINTING: bool = _f(False, "Recompute activations in the backward pass (saves GPU memory).")
+    FREE_SEEDS: int = _f(3, "Free-run parity (--mode free): seeds per side (SEED, SEED+1, ...). More seeds lower the "
+                         "noise floor the sides are compared against; lockstep ignores it.", min=2, max=64)
     DETERMINISTIC: bool = _f(False, "GPU determinism on both sides: transformers' enable_full_determinism "
                              "(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
                              "no cuDNN benchmark); TRL: full_determinism. Costs speed (docs/benchmarks.md). CPU runs "

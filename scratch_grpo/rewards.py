@@ -57,6 +57,14 @@ def extract_answer(text: Any) -> Decimal | None:
     return _to_decimal(numbers[-1]) if numbers else None
 
 
+def first_number(text: Any) -> Decimal | None:
+    """The first number a completion states (after `####` or not), or None. Never raises."""
+    if not isinstance(text, str) or not text:
+        return None
+    numbers = [m for m in _NUMBER_RE.findall(text) if _to_decimal(m) is not None]
+    return _to_decimal(numbers[0]) if numbers else None
+
+
 def gsm8k_answer(answer_field: str) -> str:
     """GSM8K's answer column ends with `#### N`; the gold answer is the text after it."""
     return answer_field.split("####")[-1].strip()
@@ -65,6 +73,14 @@ def gsm8k_answer(answer_field: str) -> str:
 def correctness_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final number equals the gold answer, else 0.0."""
     got, gold = extract_answer(completion), extract_answer(str(answer))
+    return 1.0 if got is not None and gold is not None and got == gold else 0.0
+
+
+def first_answer_reward(completion: str, answer: str) -> float:
+    """1.0 when the first number the completion states equals the gold answer: no second tries. A completion
+    that stops before stating a number is wrong, so wrong completions are the shorter ones more often; how
+    lengths then move depends on the loss normalisation (the length task, harness/specs/lengths.toml)."""
+    got, gold = first_number(completion), extract_answer(str(answer))
     return 1.0 if got is not None and gold is not None and got == gold else 0.0
 
 
@@ -103,6 +119,11 @@ def reward_correct(completions: list, answer: list, **kwargs) -> list[float]:
     return score_each("correctness", correctness_reward, [texts, answer], kwargs.get("log_metric"))
 
 
+def reward_first_answer(completions: list, answer: list, **kwargs) -> list[float]:
+    texts = [completion_text(c) for c in completions]
+    return score_each("first_answer", first_answer_reward, [texts, answer], kwargs.get("log_metric"))
+
+
 def reward_format(completions: list, **kwargs) -> list[float]:
     texts = [completion_text(c) for c in completions]
     return score_each("format", format_reward, [texts], kwargs.get("log_metric"))
@@ -126,6 +147,7 @@ REWARDS: dict[str, Callable[..., list[float]]] = {
     "correctness": reward_correct,
     "format": reward_format,
     "noise": reward_noise,
+    "first_answer": reward_first_answer,
 }
 
 

@@ -69,3 +69,21 @@ def test_a_real_difference_is_flagged(null_pool, tmp_path):
 def test_needs_two_seeds(null_pool):
     with pytest.raises(ValueError, match="at least 2 seeds"):
         F.compare_free(null_pool[:1], null_pool[1:3])
+
+
+def test_length_task_splits_length_curves_for_loss_type_only(tmp_path):
+    """Issue 7's bar, as `make parity` runs it: in free runs of the length task (8 seeds per side) the matched
+    cell stays at parity and TRL's default dapo parts from the scratch loop's per-sequence averaging on the
+    completion-length curve, with loss_type named and confirmed as the cause."""
+    from conftest import ROOT
+    from harness.matrix import run_matrix
+    from harness.spec import load_spec
+
+    spec = load_spec(ROOT / "harness" / "specs" / "lengths.toml")
+    doc = run_matrix(spec, tmp_path, mode="free", only=["matched", "loss_type=dapo"], log=lambda *a: None)
+    matched, dapo = doc["cells"]
+    assert matched["verdict"] == "parity", matched["first_divergence"]
+    assert dapo["verdict"] == "diverged" and dapo["first_divergence"]["metric"] == "completions/mean_length"
+    assert dapo["attribution"][:1] == ["loss_type"] and dapo["attribution_detail"][0]["status"] == "confirmed"
+    # the split has a direction: per-sequence averaging (scratch) ends longer than dapo
+    assert dapo["metrics"]["completions/mean_length"]["mean_delta"] > 2

@@ -87,3 +87,18 @@ def test_noise_reward_is_stable_spread_and_in_range():
     assert 0.45 < sum(a) / len(a) < 0.55 and len(set(a)) == len(a)  # uniform-looking, no ties
     # known answer: the first 8 bytes of sha256("") as a fraction of 2**64
     assert noise_reward("") == int("e3b0c44298fc1c14", 16) / 2**64
+
+
+@pytest.mark.parametrize("text,answer,expected", [
+    ("7 then 9", "3 + 4 = 7 #### 7", 1.0),       # the first number counts
+    ("9 then 7", "3 + 4 = 7 #### 7", 0.0),       # a later correct number does not
+    ("#### 7", "#### 7", 1.0),
+    ("x -1,234.5 y 7", "#### -1234.5", 1.0),     # signs, commas, decimals as for correctness
+    ("no number at all", "#### 7", 0.0),          # stopping before any number is wrong
+    ("", "#### 7", 0.0),
+])
+def test_first_answer_reward(text, answer, expected):
+    from scratch_grpo.rewards import first_answer_reward, reward_first_answer
+
+    assert first_answer_reward(text, answer) == expected
+    assert reward_first_answer([[{"role": "assistant", "content": text}]], [answer]) == [expected]
