@@ -87,3 +87,11 @@ def test_length_task_splits_length_curves_for_loss_type_only(tmp_path):
     assert dapo["attribution"][:1] == ["loss_type"] and dapo["attribution_detail"][0]["status"] == "confirmed"
     # the split has a direction: per-sequence averaging (scratch) ends longer than dapo
     assert dapo["metrics"]["completions/mean_length"]["mean_delta"] > 2
+
+
+def test_free_pair_runs_free_seeds_per_side(tmp_path):
+    from harness.freerun import run_free_pair
+
+    result = run_free_pair(small_spec("STEPS=2", "FREE_SEEDS=2"), tmp_path)
+    assert result["seeds"] == [2, 2]
+    assert [p.name for p in sorted((tmp_path / "trl").iterdir())] == ["seed-42", "seed-43"]
