@@ -110,10 +110,8 @@ def loop_figures(run_dirs: list[Path], facts: dict, rate: float, bandwidth: floa
     """Medians over steps 2..N of each run (pooled), and the floor at this loop's token counts."""
     from harness.runlog import read_run
 
-    rows = []
-    for d in run_dirs:
-        df = read_run(d)
-        rows.extend(df.reset_index(drop=True).to_dict("records")[1:])  # step 1 is warm-up
+    per_run = [read_run(d).reset_index(drop=True).to_dict("records")[1:] for d in run_dirs]  # step 1 is warm-up
+    rows = [r for run in per_run for r in run]
     if not rows:
         raise ValueError("the benchmark needs at least 2 steps per run (step 1 is warm-up)")
     med = lambda key: statistics.median(float(r.get(key) or 0.0) for r in rows)  # noqa: E731
@@ -132,8 +130,7 @@ def loop_figures(run_dirs: list[Path], facts: dict, rate: float, bandwidth: floa
         "train_tokens_per_s": tokens / (step_s - gen_s) if step_s > gen_s else None,
         "peak_gib": max(float(r.get("peak_mem_bytes") or 0) for r in rows) / GIB,
         "mfu": model_flops / (step_s * rate) if step_s else 0.0,
-        "step_s_per_run": [statistics.median(float(r["wall_s"]) for r in read_run(d).reset_index(drop=True)
-                                             .to_dict("records")[1:]) for d in run_dirs],
+        "step_s_per_run": [statistics.median(float(r["wall_s"]) for r in run) for run in per_run],
         **loop, **floor, "x_floor": step_s / floor["floor_s"] if floor["floor_s"] else None,
     }
 
