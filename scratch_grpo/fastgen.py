@@ -106,8 +106,6 @@ class StaticDecoder:
     `graphs=None` captures CUDA graphs when the model is on a GPU; `graphs=False` decodes eagerly (the
     same arithmetic; that is what runs on CPU and in the tests)."""
 
-    label = "static KV cache + CUDA graph"
-
     def __init__(self, policy, *, eos_ids: list[int], pad_id: int, dtype: str, graphs: bool | None = None,
                  pack_gqa: bool = True):
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
@@ -120,10 +118,13 @@ class StaticDecoder:
             self.net.config._attn_implementation = DECODE_ATTENTION  # the copy's config only
         self.device = next(self.net.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.capture_failed = False
         self.last_stats: dict[str, float] = {}
 
     def describe(self) -> str:
-        return self.label if self.graphs else "static KV cache (eager)"
+        if self.graphs:
+            return "static KV cache + CUDA graph"
+        return "static KV cache (eager: graph capture failed)" if self.capture_failed else "static KV cache (eager)"
 
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
@@ -138,19 +139,22 @@ class StaticDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, max_tokens: int, temperature: float, top_p: float = 1.0,
-                 top_k: int = 0, batch_size: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
-        """Completions (cut after the first eos) and the sampler's log-prob of each sampled token, on
-        logits / temperature before top-k/top-p (vLLM's default `logprobs`), in the inference dtype."""
+                 top_k: int = 0, batch_size: int | None = None, logprobs: bool = True):
+        """Completions (cut after the first eos) and, with `logprobs`, the sampler's log-prob of each sampled
+        token on logits / temperature before top-k/top-p (vLLM's default `logprobs`), in the inference dtype;
+        None without (the policy's own sampling does not need them: its trainer scores the tokens)."""
         out: list[list[int]] = []
-        logps: list[list[float]] = []
+        logps: list[list[float]] | None = [] if logprobs else None
         step = batch_size or len(prompt_ids)
         for start in range(0, len(prompt_ids), step):
-            c, lp = self._generate_batch(prompt_ids[start:start + step], max_tokens, temperature, top_p, top_k)
+            c, lp = self._generate_batch(prompt_ids[start:start + step], max_tokens, temperature, top_p, top_k,
+                                         logprobs)
             out.extend(c)
-            logps.extend(lp)
+            if logps is not None:
+                logps.extend(lp)
         return out, logps
 
-    def _generate_batch(self, prompt_ids, max_tokens, temperature, top_p, top_k):
+    def _generate_batch(self, prompt_ids, max_tokens, temperature, top_p, top_k, logprobs):
         dev = self.device
         ids, pmask = pad_left(prompt_ids, self.pad_id)
         ids, pmask = ids.to(dev), pmask.to(dev).bool()
@@ -169,7 +173,7 @@ class StaticDecoder:
         cache.position = torch.arange(P, device=dev)
         logits = self._forward(ids, positions, mask, cache)
         tokens = torch.empty(B, max_tokens, dtype=torch.long, device=dev)
-        logps = torch.empty(B, max_tokens, dtype=torch.float32, device=dev)
+        logps = torch.empty(B, max_tokens, dtype=torch.float32, device=dev) if logprobs else None
         done = torch.zeros(B, dtype=torch.bool, device=dev)
 
         # ---- decode: static buffers that the (captured) step reads and writes ----------------------------
@@ -194,7 +198,8 @@ class StaticDecoder:
             nxt = sample_next(logits, temperature, top_k, top_p)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             tokens[:, t] = nxt
-            logps[:, t] = (logits.float() / temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
+            if logprobs:
+                logps[:, t] = (logits.float() / temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
             done |= torch.isin(nxt, eos)
             n = t + 1
             if t == max_tokens - 1 or (t % check_every == check_every - 1 and bool(done.all())):
@@ -205,7 +210,7 @@ class StaticDecoder:
                     graph, graph_out = self._capture(step_fn)
                 except RuntimeError as e:  # a model whose forward cannot be captured: decode eagerly, say so
                     warnings.warn(f"CUDA graph capture failed ({str(e)[:200]}); decoding eagerly from here on")
-                    self.graphs, self.label = False, "static KV cache (eager: graph capture failed)"
+                    self.graphs, self.capture_failed = False, True
             if graph is not None:
                 graph.replay()
                 logits = graph_out
@@ -213,6 +218,8 @@ class StaticDecoder:
                 logits = step_fn()
         self.last_stats = {"decode_steps": n, "batch": B, "prompt_width": P}
         completions = cut_at_eos(tokens[:, :n], self.eos_ids)
+        if not logprobs:
+            return completions, None
         return completions, [row[:len(c)] for row, c in zip(logps[:, :n].tolist(), completions)]
 
     @staticmethod
@@ -244,7 +251,7 @@ def sample_policy(decoder: StaticDecoder | None, spec, policy, prompt_ids, *, eo
     if decoder is not None:
         decoder.sync_weights(policy)
         return decoder.generate(prompt_ids, max_tokens=spec.MAX_TOKENS, temperature=spec.TEMPERATURE,
-                                top_p=spec.TOP_P, top_k=spec.TOP_K)[0]
+                                top_p=spec.TOP_P, top_k=spec.TOP_K, logprobs=False)[0]
     return generate_completions(policy, prompt_ids, eos_ids=eos_ids, pad_id=pad_id, max_tokens=spec.MAX_TOKENS,
                                 temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=device,
                                 dtype=spec.DTYPE)

@@ -126,3 +126,19 @@ def test_vllm_outputs_become_completions_and_logprobs():
     assert ids == [[5, 9, 2], [3]] and lps == [[-0.5, -1.25, -0.01], [-2.0]]
     with pytest.raises(ValueError, match="logprobs=0"):
         vllm_completions([NS(outputs=[NS(token_ids=(1,), logprobs=None)])])
+
+
+def test_failed_graph_capture_falls_back_to_eager_and_says_so():
+    """Capture fails here (no CUDA): the decoder warns, decodes eagerly with the same arithmetic, and its
+    description (written to the run manifest) names the failure. Without log-probs it returns None for them."""
+    model, tok, eos, prompts = _model_and_prompts()
+    forced = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", graphs=True)
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", graphs=False)
+    torch.manual_seed(7)
+    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+        a = forced.generate(prompts, max_tokens=12, temperature=1.0, logprobs=False)
+    torch.manual_seed(7)
+    b = eager.generate(prompts, max_tokens=12, temperature=1.0)
+    assert a[0] == b[0] and a[1] is None
+    assert not forced.graphs and forced.describe() == "static KV cache (eager: graph capture failed)"
+    assert eager.describe() == "static KV cache (eager)"
