@@ -38,19 +38,11 @@ class RecordingSource:
         spec = self.spec
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.device.startswith("cuda") else []):
             torch.manual_seed(spec.SEED * 7_368_787 + round_idx)
-            if spec.sampler.kind == "vllm":  # the recording comes from vLLM, with its log-probs
-                from harness.sampler import VLLMSampler
+            if spec.sampler.kind != "policy":  # vLLM or the emulated sampler: its log-probs travel with the rollout
+                from harness.sampler import make_sampler
 
                 if self.sampler is None:
-                    longest = max(map(len, prompt_ids))
-                    self.sampler = VLLMSampler(spec, policy.name_or_path, max_model_len=longest + spec.MAX_TOKENS)
-                self.sampler.sync_weights(policy)
-                return self.sampler.generate(prompt_ids)
-            if spec.sampler.kind == "emulated":
-                from harness.sampler import EmulatedSampler
-
-                if self.sampler is None:
-                    self.sampler = EmulatedSampler(spec, policy, self.eos_ids, self.pad_id, self.device)
+                    self.sampler = make_sampler(spec, policy, self.eos_ids, self.pad_id, self.device)
                 self.sampler.sync_weights(policy)
                 return self.sampler.generate(prompt_ids)
             if self.decoder is None:

@@ -30,9 +30,7 @@ class EmulatedSampler:
         self.syncs = 0
 
     def describe(self) -> str:
-        s = self.spec.sampler
-        how = f"noise {s.noise_scale:g} x tensor std" if s.emulation == "noise" else "weights rounded to bfloat16"
-        return f"{self.label} ({how})"
+        return describe_sampler(self.spec)
 
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
@@ -81,7 +79,7 @@ class VLLMSampler:
 
     label = "vLLM (colocate)"
 
-    def __init__(self, spec, checkpoint, max_model_len: int):
+    def __init__(self, spec, checkpoint):
         import os
 
         from vllm import LLM
@@ -90,13 +88,14 @@ class VLLMSampler:
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                            ("MASTER_PORT", "29533")):
             os.environ.setdefault(key, value)  # external_launcher reads the torch.distributed variables
+        # max_model_len None: vLLM takes it from the checkpoint's config, as TRL's vllm_max_model_length default
         self.llm = LLM(model=str(checkpoint), gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
-                       max_model_len=max_model_len, distributed_executor_backend="external_launcher",
+                       max_model_len=None, distributed_executor_backend="external_launcher",
                        seed=spec.SEED, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
                        dtype="bfloat16" if spec.DTYPE == "bfloat16" else "float32")
 
     def describe(self) -> str:
-        return f"{self.label}, gpu_memory_utilization {self.spec.sampler.vllm_gpu_memory_utilization}"
+        return describe_sampler(self.spec)
 
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
@@ -114,6 +113,27 @@ class VLLMSampler:
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                                     use_tqdm=False)
         return vllm_completions(outputs)
+
+
+def describe_sampler(spec) -> str:
+    """How `spec.sampler` draws completions, in words (manifests and reports), without building anything."""
+    s = spec.sampler
+    if s.kind == "emulated":
+        how = f"noise {s.noise_scale:g} x tensor std" if s.emulation == "noise" else "weights rounded to bfloat16"
+        return f"{EmulatedSampler.label} ({how})"
+    if s.kind == "vllm":
+        return f"{VLLMSampler.label}, gpu_memory_utilization {s.vllm_gpu_memory_utilization}"
+    return s.kind
+
+
+def make_sampler(spec, policy, eos_ids: list[int], pad_id: int, device: str):
+    """The separate sampler `spec.sampler.kind` names, built from `policy` (its checkpoint for vLLM), or None
+    for `policy`: the trained model samples for itself."""
+    if spec.sampler.kind == "emulated":
+        return EmulatedSampler(spec, policy, eos_ids, pad_id, device)
+    if spec.sampler.kind == "vllm":
+        return VLLMSampler(spec, policy.name_or_path)
+    return None
 
 
 def vllm_available() -> bool:

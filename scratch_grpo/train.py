@@ -44,6 +44,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     from harness.params import ParamSketch
     from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
     from harness.runlog import COMPLETIONS_PER_STEP, Progress, RunWriter, peak_memory_bytes
+    from harness.sampler import describe_sampler, make_sampler
     from harness.signals import check_stop
 
     # ---- seeding and determinism: everything random below draws from these -----------------------
@@ -77,16 +78,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     reward_fns = [REWARDS[n] for n in reward_names]
     reward_w = torch.tensor(spec.rewards.weights, dtype=torch.float32)
 
-    sampler = None
-    if spec.sampler.kind == "emulated":
-        from harness.sampler import EmulatedSampler
-
-        sampler = EmulatedSampler(spec, model, eos_ids, pad_id, device)
-    elif spec.sampler.kind == "vllm" and rollout_source is None:  # vLLM colocated, as TRL's colocate mode
-        from harness.sampler import VLLMSampler
-
-        longest = max(map(len, prompt_tokens))
-        sampler = VLLMSampler(spec, ckpt, max_model_len=longest + spec.MAX_TOKENS)
+    # emulated: a stated stand-in for vLLM; vllm: colocated, as TRL's colocate mode (lockstep: the source samples)
+    sampler = make_sampler(spec, model, eos_ids, pad_id, device) if rollout_source is None else None
     # the policy's own sampling: transformers' generate, or a static-cache decoder (GENERATION; auto on a GPU)
     decoder = None
     if sampler is None and rollout_source is None:
@@ -100,7 +93,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
         lr=spec.LR, betas=(spec.ADAM_BETA1, spec.ADAM_BETA2), eps=spec.ADAM_EPS, fused=True)
     scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS))
 
-    extra = {"checkpoint": str(ckpt), "sampler": sampler.describe() if sampler else spec.sampler.kind,
+    extra = {"checkpoint": str(ckpt), "sampler": describe_sampler(spec),
              "generation": (decoder.describe() if decoder else sampler.describe() if sampler
                             else "given (lockstep rollouts)" if rollout_source else "transformers generate"),
              "rollouts": "external (lockstep)" if rollout_source else "own"}

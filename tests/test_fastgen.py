@@ -142,3 +142,19 @@ def test_failed_graph_capture_falls_back_to_eager_and_says_so():
     assert a[0] == b[0] and a[1] is None
     assert not forced.graphs and forced.describe() == "static KV cache (eager: graph capture failed)"
     assert eager.describe() == "static KV cache (eager)"
+
+
+def test_sampler_descriptions_and_construction_from_the_spec():
+    """Manifests describe the sampler from the spec alone (a lockstep run builds none on the loop's side)."""
+    from harness.sampler import EmulatedSampler, describe_sampler, make_sampler
+
+    emulated = small_spec('sampler.kind="emulated"', "sampler.noise_scale=0.02")
+    assert describe_sampler(emulated) == "emulated sampler (noise 0.02 x tensor std)"
+    assert describe_sampler(small_spec('sampler.kind="emulated"', 'sampler.emulation="bfloat16"')) == \
+        "emulated sampler (weights rounded to bfloat16)"
+    assert describe_sampler(small_spec('sampler.kind="vllm"')) == "vLLM (colocate), gpu_memory_utilization 0.3"
+    assert describe_sampler(small_spec()) == "policy"
+    model, tok, eos, _ = _model_and_prompts()
+    assert make_sampler(small_spec(), model, eos, tok.pad_token_id, "cpu") is None
+    built = make_sampler(emulated, model, eos, tok.pad_token_id, "cpu")
+    assert isinstance(built, EmulatedSampler) and built.describe() == describe_sampler(emulated)
