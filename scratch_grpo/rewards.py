@@ -41,6 +41,11 @@ def _to_decimal(text: str | None) -> Decimal | None:
     return value if value.is_finite() else None
 
 
+def _numbers(pattern: re.Pattern, text: str) -> list[Decimal]:
+    """Every match of `pattern` in `text` that reads as a finite number, in order."""
+    return [v for v in map(_to_decimal, pattern.findall(text)) if v is not None]
+
+
 def extract_answer(text: Any) -> Decimal | None:
     """The final numeric answer of a completion, or None.
 
@@ -49,20 +54,17 @@ def extract_answer(text: Any) -> Decimal | None:
     """
     if not isinstance(text, str) or not text:
         return None
-    for pattern in (_HASHES_RE, _BOXED_RE):
-        found = [m for m in pattern.findall(text) if _to_decimal(m) is not None]
+    for pattern in (_HASHES_RE, _BOXED_RE, _NUMBER_RE):
+        found = _numbers(pattern, text)
         if found:
-            return _to_decimal(found[-1])
-    numbers = [m for m in _NUMBER_RE.findall(text) if _to_decimal(m) is not None]
-    return _to_decimal(numbers[-1]) if numbers else None
+            return found[-1]
+    return None
 
 
 def first_number(text: Any) -> Decimal | None:
     """The first number a completion states (after `####` or not), or None. Never raises."""
-    if not isinstance(text, str) or not text:
-        return None
-    numbers = [m for m in _NUMBER_RE.findall(text) if _to_decimal(m) is not None]
-    return _to_decimal(numbers[0]) if numbers else None
+    found = _numbers(_NUMBER_RE, text) if isinstance(text, str) else []
+    return found[0] if found else None
 
 
 def gsm8k_answer(answer_field: str) -> str:
