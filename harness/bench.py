@@ -108,7 +108,7 @@ def step_floor(facts: dict, loop: dict, rate: float, bandwidth: float, dtype_byt
 def loop_figures(run_dirs: list[Path], facts: dict, rate: float, bandwidth: float, dtype_bytes: int,
                  recompute: bool) -> dict:
     """Medians over steps 2..N of each run (pooled), and the floor at this loop's token counts."""
-    from harness.runlog import read_run
+    from harness.runlog.log import read_run
 
     per_run = [read_run(d).reset_index(drop=True).to_dict("records")[1:] for d in run_dirs]  # step 1 is warm-up
     rows = [r for run in per_run for r in run]
@@ -149,8 +149,8 @@ def _free(device: str) -> float:
 
 
 def run_bench(spec, out_dir, log=print, progress: bool = True) -> dict:
-    from harness.models import checkpoint_dir, resolve_device
-    from harness.runlog import device_description, library_versions
+    from harness.experiment.models import checkpoint_dir, resolve_device
+    from harness.runlog.log import device_description, library_versions
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 
@@ -201,7 +201,7 @@ def run_bench(spec, out_dir, log=print, progress: bool = True) -> dict:
 
 
 def _manifest(run_dir: Path) -> dict:
-    from harness.runlog import MANIFEST_FILE
+    from harness.runlog.log import MANIFEST_FILE
 
     return json.loads((Path(run_dir) / MANIFEST_FILE).read_text())
 

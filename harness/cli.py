@@ -32,11 +32,11 @@ class InputError(ValueError):
 
 def check_inputs(spec, scratch: bool = True) -> None:
     """Everything that can be checked without loading weights: data rows, model paths, TRL fields."""
-    from harness.data import DataError, load_rows, to_prompt_rows
-    from harness.models import ModelSourceError
+    from harness.experiment.data import DataError, load_rows, to_prompt_rows
+    from harness.experiment.models import ModelSourceError
 
     if scratch and spec.sampler.kind == "vllm":  # (TRL's side says the same itself when it starts)
-        from harness.sampler import vllm_available
+        from harness.rollouts.samplers import vllm_available
 
         if not vllm_available():
             raise InputError("sampler.kind = \"vllm\" needs vLLM, which is not installed here: on a GPU machine "
@@ -44,7 +44,7 @@ def check_inputs(spec, scratch: bool = True) -> None:
     try:
         to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
         if spec.data.source == "synthetic" or spec.model.source == "embedded":
-            from harness.embedded import padded_vocabulary
+            from harness.experiment.embedded import padded_vocabulary
 
             padded_vocabulary(spec.data.max_operand, list(spec.data.operations),
                               spec.model.vocab_size if spec.model.source == "embedded" else 0)
@@ -56,7 +56,7 @@ def check_inputs(spec, scratch: bool = True) -> None:
 
 def _load(args):
     """The spec with --set overrides, then --steps (and, for `run`, --processes), validated once."""
-    from harness.spec import load_spec
+    from harness.experiment.spec import load_spec
 
     flags = [f"STEPS={args.steps}"] if getattr(args, "steps", None) is not None else []
     if args.command == "run" and getattr(args, "processes", None):  # parity's --processes adds cells instead
@@ -82,7 +82,7 @@ def cmd_run(args) -> int:
             return train_processes(spec, out, None, progress)
     else:
         from trl_runner.runner import train
-    from harness.signals import graceful_stop
+    from harness.runlog.stops import graceful_stop
 
     with graceful_stop():
         train(spec, out, progress=not args.quiet)
@@ -93,7 +93,7 @@ def cmd_run(args) -> int:
 def cmd_parity(args) -> int:
     """The toggle matrix: each cell runs both loops, compares them, and names the cause of a divergence."""
     if args.resume:
-        from harness.spec import parse_spec
+        from harness.experiment.spec import parse_spec
 
         prev = Path(args.resume) / "verdict.json"
         if not prev.exists():
@@ -108,7 +108,7 @@ def cmd_parity(args) -> int:
     else:
         spec = _load(args)
     check_inputs(spec)
-    from harness.preflight import format_preflight, preflight
+    from harness.diagnose.preflight import format_preflight, preflight
 
     _tr, diffs, facts = preflight(spec)
     out = Path(args.out)
@@ -118,17 +118,12 @@ def cmd_parity(args) -> int:
         print(format_preflight(facts, diffs).split("\n\n")[-1])
         print("the matrix toggles TRL against a matched spec: align these first, or use --matrix none")
         return 2
-    if args.mode == "free":
-        from harness.freerun import run_free_matrix as run
-    else:
-        from harness.matrix import run_matrix as run
-    from harness.matrix import format_verdict
-
-    from harness.signals import graceful_stop
+    from harness.diagnose.matrix import format_verdict, run_matrix
+    from harness.runlog.stops import graceful_stop
 
     with graceful_stop():
         try:
-            doc = run(spec, out, matrix=args.matrix, progress=not args.quiet and args.verbose, log=print,
+            doc = run_matrix(spec, out, matrix=args.matrix, mode=args.mode, progress=not args.quiet and args.verbose, log=print,
                       resume=bool(args.resume), processes=args.processes, jobs=args.jobs,
                       only=[c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else None)
         except ValueError as e:
@@ -150,8 +145,8 @@ def cmd_parity(args) -> int:
 def cmd_preflight(args) -> int:
     """Needs neither the model nor the data: it runs anywhere, before any GPU time is spent."""
     spec = _load(args)
-    from harness.data import DataError, load_rows
-    from harness.preflight import format_preflight, preflight
+    from harness.experiment.data import DataError, load_rows
+    from harness.diagnose.preflight import format_preflight, preflight
     from trl_runner.translate import format_mapping
 
     n_rows = None
@@ -162,7 +157,7 @@ def cmd_preflight(args) -> int:
             print(f"note: data not readable here ({e}); steps per epoch left out")
     tr, diffs, facts = preflight(spec, n_rows=n_rows)
     if spec.sampler.kind == "vllm":
-        from harness.sampler import vllm_available
+        from harness.rollouts.samplers import vllm_available
 
         if not vllm_available():
             print("note: sampler.kind = \"vllm\" but vLLM is not installed here; runs need it (pip install -e "
@@ -182,7 +177,7 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from harness.compare import CompareInputError, compare_runs, format_comparison
+    from harness.diagnose.compare import CompareInputError, compare_runs, format_comparison
 
     try:
         result = compare_runs(args.run_a, args.run_b, mode=args.mode, dtype=args.dtype,
@@ -223,7 +218,7 @@ def cmd_bench(args) -> int:
 
     translate(spec)
     from harness.bench import format_bench, run_bench
-    from harness.models import ModelSourceError, resolve_device
+    from harness.experiment.models import ModelSourceError, resolve_device
 
     if spec.STEPS < 2:
         raise InputError("STEPS: the benchmark takes medians over steps 2..N (step 1 is warm-up); use at least 2, "
@@ -240,7 +235,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_spec_help(args) -> int:
-    from harness.spec import describe_fields
+    from harness.experiment.spec import describe_fields
 
     print(describe_fields())
     return 0
@@ -313,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="write comparison.json and a report here")
     c.add_argument("--mode", choices=("lockstep", "free"), default="lockstep")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), help="tolerances for this dtype (default: A's spec)")
-    c.add_argument("--tolerances", help="tolerance file (default: harness/tolerances.toml)")
+    c.add_argument("--tolerances", help="tolerance file (default: harness/diagnose/tolerances.toml)")
     c.set_defaults(func=cmd_compare)
 
     rec = sub.add_parser("record", help="record a golden lockstep reference (logs, rollouts, versions, commit)")
@@ -339,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.spec import SpecError
+    from harness.experiment.spec import SpecError
 
     args = build_parser().parse_args(argv)
     try:

@@ -13,7 +13,7 @@ From the command line, on two runs written by `python -m harness run` (or a TRL 
 
 which runs one check per shared metric (and nothing else), each failing with the metric, the first
 step outside tolerance, both values, the tolerance, and the worst step with its difference.
-Tolerances are TOML, per mode and dtype, in the format of harness/tolerances.toml.
+Tolerances are TOML, per mode and dtype, in the format of harness/diagnose/tolerances.toml.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def assert_metrics_close(run_a, run_b, metrics=None, rtol: float | None = None, 
                          dtype: str | None = None) -> None:
     """Assert two runs agree, per metric and step, within |a - b| <= atol + rtol * |b|.
 
-    `run_a`/`run_b`: DataFrames from `harness.compare.load_any_run` (or paths). `metrics`: names to check
+    `run_a`/`run_b`: DataFrames from `harness.diagnose.compare.load_any_run` (or paths). `metrics`: names to check
     (default: every metric both runs log, minus timing). `rtol`/`atol` override the tolerance file for all
     metrics; `steps`: an iterable of steps to check (default: all shared steps). Counts and hashes compare
     exactly.
     """
     from pandas.api.types import is_numeric_dtype
 
-    from harness.compare import load_any_run, load_tolerances, tolerance_for
+    from harness.diagnose.compare import load_any_run, load_tolerances, tolerance_for
 
     a = load_any_run(run_a) if not hasattr(run_a, "columns") else run_a
     b = load_any_run(run_b) if not hasattr(run_b, "columns") else run_b
@@ -100,7 +100,7 @@ def pytest_addoption(parser):
                     help="compare two runs' metric logs (harness run folders or TRL trainer_state.json), one check "
                          "per shared metric; other tests are not run")
     group.addoption("--parity-tolerances", metavar="FILE", default=None,
-                    help="tolerance TOML (default: harness/tolerances.toml)")
+                    help="tolerance TOML (default: harness/diagnose/tolerances.toml)")
     group.addoption("--parity-mode", choices=("lockstep",), default="lockstep",
                     help="which tolerance table to use (lockstep: the runs saw the same rollouts)")
 
@@ -112,7 +112,7 @@ def pytest_configure(config):
 @pytest.fixture
 def load_run():
     """A loader for run folders, metrics.jsonl files or trainer_state.json: load_run(path) -> DataFrame."""
-    from harness.compare import load_any_run
+    from harness.diagnose.compare import load_any_run
 
     return load_any_run
 
@@ -120,7 +120,7 @@ def load_run():
 @pytest.fixture
 def parity_runs(request):
     """The two runs given with --parity-runs, loaded (skips when the option is absent)."""
-    from harness.compare import load_any_run
+    from harness.diagnose.compare import load_any_run
 
     paths = request.config.getoption("--parity-runs")
     if not paths:
@@ -151,7 +151,7 @@ def pytest_collection_modifyitems(session, config, items):
     paths = config.getoption("--parity-runs")
     if not paths:
         return
-    from harness.compare import load_any_run, load_tolerances
+    from harness.diagnose.compare import load_any_run, load_tolerances
 
     runs = (load_any_run(paths[0]), load_any_run(paths[1]))
     tol = load_tolerances(config.getoption("--parity-tolerances"))

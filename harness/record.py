@@ -29,8 +29,8 @@ def _dirty() -> list[str]:
 
 
 def record(spec, spec_path: str, out: str | Path, force: bool = False, allow_dirty: bool = False, log=print) -> Path:
-    from harness.matrix import run_pair
-    from harness.runlog import device_description, git_commit, library_versions
+    from harness.diagnose.pairs import run_pair
+    from harness.runlog.log import device_description, git_commit, library_versions
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
@@ -43,7 +43,7 @@ def record(spec, spec_path: str, out: str | Path, force: bool = False, allow_dir
         shutil.rmtree(out)
     log(f"recording a lockstep reference of {spec_path} ({spec.STEPS} steps) into {out}")
     result = run_pair(spec, out, "lockstep")
-    from harness.models import resolve_device
+    from harness.experiment.models import resolve_device
 
     meta = {"spec_path": spec_path, "spec": spec.to_dict(), "versions": library_versions(),
             "device": device_description(resolve_device(spec)), "git_commit": git_commit(),
@@ -58,7 +58,7 @@ def record(spec, spec_path: str, out: str | Path, force: bool = False, allow_dir
 
 
 def version_differences(reference: dict) -> list[str]:
-    from harness.runlog import library_versions
+    from harness.runlog.log import library_versions
 
     now = library_versions()
     return [f"{k}: reference {v}, now {now.get(k)}" for k, v in reference.get("versions", {}).items()
@@ -67,9 +67,9 @@ def version_differences(reference: dict) -> list[str]:
 
 def check_against_reference(ref_dir: str | Path, work_dir: str | Path) -> None:
     """Replay the reference's rollouts into fresh runs of both loops; assert each matches its recorded log."""
-    from harness.lockstep import ROLLOUTS_FILE, ReplaySource
+    from harness.rollouts.lockstep import ROLLOUTS_FILE, ReplaySource
     from harness.pytest_plugin import MetricMismatch, assert_metrics_close
-    from harness.spec import parse_spec
+    from harness.experiment.spec import parse_spec
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 

@@ -159,7 +159,7 @@ def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch
 def _read(run_dir: Path):
     import warnings
 
-    from harness.runlog import METRICS_FILE, read_run
+    from harness.runlog.log import METRICS_FILE, read_run
 
     if not (run_dir / METRICS_FILE).exists():
         return None
@@ -171,7 +171,7 @@ def _read(run_dir: Path):
 
 def _completions(run_dir: Path, step: int | None) -> list[dict]:
     """The completions logged at `step` (or the last logged step before it)."""
-    from harness.runlog import COMPLETIONS_FILE
+    from harness.runlog.log import COMPLETIONS_FILE
 
     path = run_dir / COMPLETIONS_FILE
     if not path.exists():
@@ -279,7 +279,7 @@ def _seed_spread(a_frames, b_frames):
 
 def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> dict:
     """One cell's page section. `full`: every metric group; otherwise the key curves only."""
-    from harness.params import relative_l2
+    from harness.runlog.params import relative_l2
 
     cell_dir = Path(cell.get("dir", ""))
     rel, spread = None, None
@@ -328,7 +328,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
 # pages
 # ---------------------------------------------------------------------------------------------
 def write_parity_report(out_dir: str | Path) -> Path:
-    from harness.compare import load_tolerances
+    from harness.diagnose.compare import load_tolerances
 
     out_dir = Path(out_dir)
     doc = json.loads((out_dir / "verdict.json").read_text())
@@ -350,7 +350,7 @@ def write_parity_report(out_dir: str | Path) -> Path:
 
 
 def write_compare_report(out_dir: str | Path, result: dict) -> Path:
-    from harness.compare import load_any_run, load_tolerances
+    from harness.diagnose.compare import load_any_run, load_tolerances
 
     out_dir = Path(out_dir)
     a_dir, b_dir = (Path(r) for r in result.get("runs", ["", ""]))

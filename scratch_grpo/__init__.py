@@ -1,1 +1,3 @@
-"""A hand-written GRPO loop in plain PyTorch + transformers (no TRL), and the rewards both loops share."""
+"""A hand-written GRPO loop in plain PyTorch + transformers (no TRL): `train.py` top to bottom, its math in `core.py`.
+
+A side: it imports only the foundation (`harness.experiment`, `harness.runlog`, `harness.rollouts`)."""

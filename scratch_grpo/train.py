@@ -23,15 +23,27 @@ import numpy as np
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from harness.experiment.data import encode_prompts
+from harness.experiment.models import autocast_for
+from harness.experiment.rewards import REWARDS, check_rewards
+from harness.rollouts.fastgen import sample_policy, static_decoder_for
+from harness.rollouts.generate import pad_left, pad_right
+from harness.rollouts.lockstep import shuffle_seed
 from scratch_grpo import core
-from scratch_grpo.rewards import REWARDS, check_rewards
-from scratch_grpo.fastgen import sample_policy, static_decoder_for
-from scratch_grpo.sampling import autocast_for, completion_forward, encode_prompts, pad_left, pad_right
 
 
-def shuffle_seed(seed: int, round_idx: int) -> int:
-    """Seed of the micro-batch shuffle of generation round `round_idx` (the TRL runner uses it in lockstep)."""
-    return (seed * 1_000_003 + 7919 * (round_idx + 1)) % (2**63)
+def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                       completion_mask: torch.Tensor, temperature: float, with_entropy: bool = False):
+    """Per-token log-probs (B, T) of the completion tokens, and optionally the logits for entropy.
+
+    Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention = torch.cat([prompt_mask, completion_mask], dim=1)
+    T = completion_ids.size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1).logits[:, :-1]
+    logp = core.token_logprobs(logits, completion_ids, temperature)
+    return (logp, logits) if with_entropy else (logp, None)
 
 
 def train(spec, out_dir, rollout_source=None, progress: bool = True):
@@ -40,12 +52,12 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
     parity): `rollout_source(round_idx, prompt_ids, policy) -> (completion_ids, sampler_logps or None)`.
     """
-    from harness.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
-    from harness.params import ParamSketch
-    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
-    from harness.runlog import COMPLETIONS_PER_STEP, Progress, RunWriter, peak_memory_bytes
-    from harness.sampler import describe_sampler, make_sampler
-    from harness.signals import check_stop
+    from harness.experiment.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
+    from harness.runlog.params import ParamSketch
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+    from harness.runlog.log import COMPLETIONS_PER_STEP, Progress, RunWriter, peak_memory_bytes
+    from harness.rollouts.samplers import describe_sampler, make_sampler
+    from harness.runlog.stops import check_stop
 
     # ---- seeding and determinism: everything random below draws from these -----------------------
     random.seed(spec.SEED)

@@ -34,7 +34,7 @@ def private_cache(tmp_path_factory):
 
 def small_spec(*overrides: str):
     """The default spec, shortened for tests, with KEY=VALUE overrides."""
-    from harness.spec import load_spec
+    from harness.experiment.spec import load_spec
 
     return load_spec(DEFAULT_SPEC, ["STEPS=4", *overrides])
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import small_spec
-from harness import data as D
-from harness import embedded as E
-from harness.models import checkpoint_dir, load_model, load_tokenizer
+from harness.experiment import data as D
+from harness.experiment import embedded as E
+from harness.experiment.models import checkpoint_dir, load_model, load_tokenizer
 
 
 def test_same_seed_same_weights_other_seed_other_weights():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import small_spec
-from scratch_grpo.fastgen import StaticDecoder, sample_next
+from harness.rollouts.fastgen import StaticDecoder, sample_next
 
 
 def test_sample_next_top_k_and_top_p_by_hand():
@@ -27,7 +27,7 @@ def test_sample_next_top_k_and_top_p_by_hand():
 
 
 def _model_and_prompts():
-    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
 
     spec = small_spec()
     ckpt = checkpoint_dir(spec)
@@ -41,7 +41,7 @@ def _model_and_prompts():
 def test_decoder_logprobs_match_a_full_forward_pass_with_left_padding():
     """Prompts of three lengths (left padding): each sampled token's log-prob from the cached decode equals the
     log-prob a full forward pass gives the finished completion (fp32)."""
-    from scratch_grpo.sampling import score_completions
+    from harness.rollouts.generate import score_completions
 
     model, tok, eos, prompts = _model_and_prompts()
     dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
@@ -83,7 +83,7 @@ def test_sync_weights_copies_the_policy():
 
 
 def test_scratch_loop_on_the_static_decoder(tmp_path):
-    from harness.runlog import read_run
+    from harness.runlog.log import read_run
     from scratch_grpo.train import train
 
     spec = small_spec("STEPS=3", 'GENERATION="static"')
@@ -115,7 +115,7 @@ def test_vllm_outputs_become_completions_and_logprobs():
     returns them with SamplingParams(logprobs=0): per position, a dict holding the sampled token's Logprob)."""
     from types import SimpleNamespace as NS
 
-    from harness.sampler import vllm_completions
+    from harness.rollouts.samplers import vllm_completions
 
     def request(tokens, logps, extra=None):
         positions = [{t: NS(logprob=lp, rank=1), **(extra or {})} for t, lp in zip(tokens, logps)]
@@ -146,7 +146,7 @@ def test_failed_graph_capture_falls_back_to_eager_and_says_so():
 
 def test_sampler_descriptions_and_construction_from_the_spec():
     """Manifests describe the sampler from the spec alone (a lockstep run builds none on the loop's side)."""
-    from harness.sampler import EmulatedSampler, describe_sampler, make_sampler
+    from harness.rollouts.samplers import EmulatedSampler, describe_sampler, make_sampler
 
     emulated = small_spec('sampler.kind="emulated"', "sampler.noise_scale=0.02")
     assert describe_sampler(emulated) == "emulated sampler (noise 0.02 x tensor std)"

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT, small_spec
-from harness.compare import compare_runs
-from harness.runlog import read_metrics
+from harness.diagnose.compare import compare_runs
+from harness.runlog.log import read_metrics
 
 
 def test_non_finite_loss_stops_with_status_and_log_intact(tmp_path, monkeypatch):

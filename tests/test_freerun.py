@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import small_spec
-from harness import freerun as F
+from harness.diagnose import freerun as F
 from scratch_grpo.train import train as train_scratch
 
 
@@ -76,8 +76,8 @@ def test_length_task_splits_length_curves_for_loss_type_only(tmp_path):
     cell stays at parity and TRL's default dapo parts from the scratch loop's per-sequence averaging on the
     completion-length curve, with loss_type named and confirmed as the cause."""
     from conftest import ROOT
-    from harness.matrix import run_matrix
-    from harness.spec import load_spec
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
 
     spec = load_spec(ROOT / "harness" / "specs" / "lengths.toml")
     doc = run_matrix(spec, tmp_path, mode="free", only=["matched", "loss_type=dapo"], log=lambda *a: None)
@@ -90,7 +90,7 @@ def test_length_task_splits_length_curves_for_loss_type_only(tmp_path):
 
 
 def test_free_pair_runs_free_seeds_per_side(tmp_path):
-    from harness.freerun import run_free_pair
+    from harness.diagnose.pairs import run_free_pair
 
     result = run_free_pair(small_spec("STEPS=2", "FREE_SEEDS=2"), tmp_path)
     assert result["seeds"] == [2, 2]

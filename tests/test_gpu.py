@@ -4,7 +4,7 @@ Runs on the GPU test machine only (marker `gpu`)."""
 import pytest
 
 from conftest import small_spec
-from harness.matrix import run_pair
+from harness.diagnose.pairs import run_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +18,7 @@ def test_lockstep_bf16_on_gpu(norm, tmp_path):
     assert result["first_divergence"] is None, result["first_divergence"]
     for m in ("loss", "grad_norm", "entropy"):
         assert m in result["metrics"]
-    from harness.runlog import read_run
+    from harness.runlog.log import read_run
 
     df = read_run(tmp_path / "trl")
     assert df.attrs["manifest"]["device"].startswith("NVIDIA") and df["peak_mem_bytes"].max() > 0
@@ -31,7 +31,7 @@ def test_emulated_is_on_gpu(tmp_path):
 
 
 def test_deterministic_switch_gives_identical_reruns_on_gpu(tmp_path):
-    from harness.runlog import TIMING_FIELDS, read_metrics
+    from harness.runlog.log import TIMING_FIELDS, read_metrics
     from scratch_grpo.train import train
 
     spec = small_spec("STEPS=4", 'DEVICE="cuda"', 'DTYPE="bfloat16"', "DETERMINISTIC=true")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import DEFAULT_SPEC, ROOT, small_spec
-from harness.lockstep import RecordingSource, ReplaySource
-from harness.models import checkpoint_dir, eos_token_ids, generation_config, load_model, load_tokenizer
-from harness.runlog import TIMING_FIELDS, read_metrics, read_run
+from harness.rollouts.lockstep import RecordingSource, ReplaySource
+from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_model, load_tokenizer
+from harness.runlog.log import TIMING_FIELDS, read_metrics, read_run
 from scratch_grpo.train import train as train_scratch
 from trl_runner.runner import train as train_trl
 
@@ -114,7 +114,7 @@ def test_naive_batch_mapping_takes_fewer_prompts(tmp_path):
 
 
 def test_lesson_spec_translates_and_naive_halves_the_prompts():
-    from harness.spec import load_spec
+    from harness.experiment.spec import load_spec
     from conftest import LESSON_SPEC
     from trl_runner.translate import translate
 
@@ -197,7 +197,7 @@ def test_cli_run_scratch_end_to_end(tmp_path, private_cache):
 
 
 def test_deterministic_switch_runs_on_both_sides(tmp_path):
-    from harness.preflight import preflight
+    from harness.diagnose.preflight import preflight
 
     try:
         spec = small_spec("STEPS=2", "DETERMINISTIC=true")

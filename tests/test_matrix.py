@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import DEFAULT_SPEC, small_spec
-from harness import matrix as M
+from harness.diagnose import matrix as M
 
 
 @pytest.mark.slow

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from conftest import DEFAULT_SPEC, LESSON_SPEC, ROOT, small_spec
-from harness.compare import CompareInputError, compare_frames, load_any_run, load_tolerances
-from harness.preflight import alignment_for, apply_alignment, preflight
-from harness.spec import load_spec
+from harness.diagnose.compare import CompareInputError, compare_frames, load_any_run, load_tolerances
+from harness.diagnose.preflight import alignment_for, apply_alignment, preflight
+from harness.experiment.spec import load_spec
 
 
 def checks(spec):
@@ -70,7 +70,7 @@ def test_preflight_cli_exit_codes(tmp_path):
     # the lesson's GPU spec is checked here without its model, data or GPU
     r = run("preflight", "--spec", str(LESSON_SPEC))
     assert r.returncode == 0 and "aligned" in r.stdout and "no GPU" in r.stdout
-    from harness.sampler import vllm_available
+    from harness.rollouts.samplers import vllm_available
 
     if not vllm_available():  # refused before any model loads, saying what to install
         assert "vLLM is not installed here" in r.stdout

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT, small_spec
-from harness import matrix as M
-from harness.preflight import preflight
-from harness.runlog import read_run
+from harness.diagnose import matrix as M
+from harness.diagnose.preflight import preflight
+from harness.runlog.log import read_run
 
 
 @pytest.mark.slow
@@ -39,7 +39,7 @@ def test_preflight_says_bnpo_differs_across_world_sizes():
 
 
 def test_processes_must_divide_accumulation_and_prompts():
-    from harness.spec import SpecError
+    from harness.experiment.spec import SpecError
 
     with pytest.raises(SpecError, match="must divide GRAD_ACCUM"):
         small_spec("PROCESSES=3")

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import small_spec
-from harness.matrix import run_matrix
+from harness.diagnose.matrix import run_matrix
 from reports.render import write_compare_report, write_index, write_parity_report
 
 EVIL = "<script>alert(1)</script><img src=x onerror=alert(2)>"
@@ -46,7 +46,7 @@ def test_index_for_several_runs(parity_dir, tmp_path):
 
 
 def test_compare_report(parity_dir, tmp_path):
-    from harness.compare import compare_runs
+    from harness.diagnose.compare import compare_runs
 
     result = compare_runs(parity_dir / "as-given" / "scratch", parity_dir / "as-given" / "trl")
     path = write_compare_report(tmp_path, result)

@@ -5,7 +5,7 @@ from decimal import Decimal
 
 import pytest
 
-from scratch_grpo import rewards as R
+from harness.experiment import rewards as R
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -78,7 +78,7 @@ def test_wrong_length_names_the_function():
 
 
 def test_noise_reward_is_stable_spread_and_in_range():
-    from scratch_grpo.rewards import noise_reward, reward_noise
+    from harness.experiment.rewards import noise_reward, reward_noise
 
     texts = [f"completion {i}" for i in range(400)]
     a = reward_noise([[{"role": "assistant", "content": t}] for t in texts])
@@ -98,7 +98,7 @@ def test_noise_reward_is_stable_spread_and_in_range():
     ("", "#### 7", 0.0),
 ])
 def test_first_answer_reward(text, answer, expected):
-    from scratch_grpo.rewards import first_answer_reward, reward_first_answer
+    from harness.experiment.rewards import first_answer_reward, reward_first_answer
 
     assert first_answer_reward(text, answer) == expected
     assert reward_first_answer([[{"role": "assistant", "content": text}]], [answer]) == [expected]

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from conftest import ROOT, small_spec
-from harness.runlog import RunWriter, read_metrics, read_run
+from harness.runlog.log import RunWriter, read_metrics, read_run
 
 
 def test_writer_statuses(tmp_path):
@@ -35,7 +35,7 @@ def test_killed_writer_keeps_every_finished_step(tmp_path):
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
         from conftest import small_spec
-        from harness.runlog import RunWriter
+        from harness.runlog.log import RunWriter
         w = RunWriter({str(tmp_path)!r}, "scratch", small_spec(), "cpu")
         for s in (1, 2, 3):
             w.log_step({{"step": s, "loss": s / 10}})

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import DEFAULT_SPEC, LESSON_SPEC, ROOT, small_spec
-from harness.spec import SpecError, load_spec, parse_spec
+from harness.experiment.spec import SpecError, load_spec, parse_spec
 
 
 def test_shipped_specs_load():
@@ -46,7 +46,7 @@ def test_bad_values_name_the_key(override, key, words):
 def test_every_field_is_documented():
     import dataclasses
 
-    from harness.spec import Spec, _TABLES
+    from harness.experiment.spec import Spec, _TABLES
 
     for cls in (Spec, *_TABLES.values()):
         for f in dataclasses.fields(cls):

@@ -21,11 +21,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
-    from harness.data import load_rows, to_prompt_rows
-    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
-    from harness.spec import load_spec
-    from scratch_grpo.fastgen import StaticDecoder, sample_next
-    from scratch_grpo.sampling import encode_prompts, generate_completions
+    from harness.experiment.data import load_rows, to_prompt_rows
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+    from harness.experiment.spec import load_spec
+    from harness.rollouts.fastgen import StaticDecoder, sample_next
+    from harness.rollouts.generate import encode_prompts, generate_completions
 
     spec = load_spec(args.spec)
     ckpt = checkpoint_dir(spec)
@@ -73,7 +73,7 @@ def profile(model, prompts, eos, pad_id, steps: int = 16) -> None:
     """Kernels per decode step and GPU busy time, from the CUDA profiler over an eager packed decode."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from scratch_grpo.fastgen import StaticDecoder
+    from harness.rollouts.fastgen import StaticDecoder
 
     dec = StaticDecoder(model, eos_ids=eos, pad_id=pad_id, dtype="bfloat16", graphs=False)
     dec.generate(prompts, max_tokens=steps, temperature=1.0)

@@ -19,8 +19,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
-    from harness.runlog import read_run
-    from harness.spec import load_spec
+    from harness.runlog.log import read_run
+    from harness.experiment.spec import load_spec
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 

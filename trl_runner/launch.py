@@ -65,13 +65,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from harness.spec import parse_spec
+    from harness.experiment.spec import parse_spec
     from trl_runner.runner import train
 
     spec = parse_spec(json.loads(Path(args.spec_json).read_text()))
     source = None
     if args.rollouts:
-        from harness.lockstep import ReplaySource
+        from harness.rollouts.lockstep import ReplaySource
 
         source = ReplaySource.from_file(args.rollouts)
     code = 0

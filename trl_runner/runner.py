@@ -69,7 +69,7 @@ class HarnessGRPOTrainer(GRPOTrainer):
             if self.harness_lockstep_seed is not None:
                 # lockstep: pin the micro-batch shuffle TRL is about to draw (torch.randperm on the global RNG)
                 # to the seed the scratch loop uses for this round
-                from scratch_grpo.train import shuffle_seed
+                from harness.rollouts.lockstep import shuffle_seed
 
                 torch.manual_seed(shuffle_seed(self.harness_lockstep_seed, len(self.harness_generations) - 1))
         self.harness_s += time.perf_counter() - t0
@@ -80,7 +80,7 @@ class MetricLogCallback(TrainerCallback):
     """Writes the shared metric log from TRL's per-step logs and the trainer's consumption records."""
 
     def __init__(self, writer, n_rows: int, device: str, progress: bool = False):
-        from harness.runlog import Progress
+        from harness.runlog.log import Progress
 
         self.writer, self.n_rows, self.device = writer, n_rows, device
         self.bar = Progress(writer.manifest["spec"]["STEPS"], "trl", progress)
@@ -91,7 +91,7 @@ class MetricLogCallback(TrainerCallback):
         self.t0 = time.perf_counter()
 
     def _log_completions(self, step: int) -> None:
-        from harness.runlog import COMPLETIONS_PER_STEP
+        from harness.runlog.log import COMPLETIONS_PER_STEP
 
         logs = self.trainer._logs  # TRL keeps the latest generation batch here for its completion tables
         n = len(logs["completion"])
@@ -118,9 +118,9 @@ class MetricLogCallback(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        from harness.data import hash_prompt_ids
-        from harness.runlog import peak_memory_bytes
-        from harness.signals import check_stop
+        from harness.experiment.data import hash_prompt_ids
+        from harness.runlog.log import peak_memory_bytes
+        from harness.runlog.stops import check_stop
 
         if not logs or "loss" not in logs:  # the end-of-training summary carries no step metrics
             return
@@ -205,7 +205,7 @@ class _NoSync:
 
 def make_rollout_func(rollout_source, tokenizer, max_prompt_tokens: int):
     """TRL's rollout_func from a harness rollout source (lockstep): one call per generation round."""
-    from scratch_grpo.sampling import encode_prompts
+    from harness.experiment.data import encode_prompts
 
     state = {"round": 0}
 
@@ -225,11 +225,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     """Run TRL's GRPOTrainer per `spec`; write metrics.jsonl, manifest.json and mapping.json to `out_dir`."""
     from datasets import Dataset
 
-    from harness.data import load_rows, prompt_schedule, to_prompt_rows
-    from harness.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
-    from harness.params import ParamSketch
-    from harness.runlog import RunWriter
-    from scratch_grpo.rewards import REWARDS
+    from harness.experiment.data import load_rows, prompt_schedule, to_prompt_rows
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
+    from harness.runlog.params import ParamSketch
+    from harness.runlog.log import RunWriter
+    from harness.experiment.rewards import REWARDS
     from trl_runner.translate import translate, write_mapping
 
     translation = translate(spec)  # refuses bad [trl] fields before any model loads
@@ -254,7 +254,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
 
     sampler = None
     if spec.sampler.kind == "emulated" and rollout_source is None:
-        from harness.sampler import EmulatedSampler
+        from harness.rollouts.samplers import EmulatedSampler
 
         eos = eos_token_ids(model.generation_config, tokenizer)
         sampler = EmulatedSampler(spec, model, eos, tokenizer.pad_token_id, device)

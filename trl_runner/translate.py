@@ -12,7 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from harness.spec import SpecError
+from harness.experiment.spec import SpecError
 
 LOSS_TYPES = {"sequence": "grpo", "token_local": "bnpo", "token_global": "dapo", "constant": "dr_grpo"}
 NORM_OF_LOSS_TYPE = {v: k for k, v in LOSS_TYPES.items()}

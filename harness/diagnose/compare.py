@@ -4,7 +4,7 @@
 TRL `trainer_state.json` (its `log_history`) produced elsewhere. Steps are aligned by number; per
 metric it reports the max |delta| and max relative delta with the step of each, the mean delta
 (one-sided drift, as TRL's tests/invariant checks) and the first step outside tolerance.
-Tolerances come from a TOML file (default: harness/tolerances.toml): lockstep defaults are
+Tolerances come from a TOML file (default: harness/diagnose/tolerances.toml): lockstep defaults are
 torch.testing's per-dtype rtol/atol.
 """
 
@@ -40,7 +40,7 @@ def load_tolerances(path: str | Path | None = None) -> dict:
 
 def load_any_run(path: str | Path) -> pd.DataFrame:
     """A harness run folder, a metrics.jsonl, or a TRL trainer_state.json (or its folder)."""
-    from harness.runlog import METRICS_FILE, read_run
+    from harness.runlog.log import METRICS_FILE, read_run
 
     path = Path(path)
     if path.is_dir() and (path / METRICS_FILE).exists():
@@ -154,7 +154,7 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
 
 def compare_runs(run_a, run_b, *, mode: str = "lockstep", dtype: str | None = None,
                  tolerance_file: str | Path | None = None) -> dict:
-    from harness.params import relative_l2
+    from harness.runlog.params import relative_l2
 
     a, b = load_any_run(run_a), load_any_run(run_b)
     if dtype is None:

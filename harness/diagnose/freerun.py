@@ -21,11 +21,10 @@ are compared exactly, seed by seed; a TRL metric logged on one side only is a di
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 
-from harness.compare import compare_frames, load_any_run, load_tolerances
+from harness.diagnose.compare import compare_frames, load_any_run, load_tolerances
 
 FREE_METRICS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length")
 EXACT_FREE = ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "learning_rate", "epoch")
@@ -147,42 +146,10 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
     result["only_in_a"], result["only_in_b"] = sorted(only_a), sorted(only_b)
     for name in sorted(only_a | only_b):
         failures.append((1, name))
-    from harness.compare import PRIORITY
+    from harness.diagnose.compare import PRIORITY
 
     rank = {m: i for i, m in enumerate(PRIORITY)}
     failures.sort(key=lambda f: (f[0], rank.get(f[1], len(rank)), f[1]))
     result["first_divergence"] = {"step": failures[0][0], "metric": failures[0][1]} if failures else None
     result["outside"] = sorted({m for _, m in failures})
     return result
-
-
-def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int | None = None) -> dict:
-    """Both loops, `seeds` (default: the spec's FREE_SEEDS) seeds each (SEED, SEED+1, ...), each sampling for
-    itself; then compare_free."""
-    from harness.preflight import apply_alignment
-    from scratch_grpo.train import train as train_scratch
-    from trl_runner.runner import train as train_trl
-
-    runs = {"scratch": [], "trl": []}
-    for i in range(seeds or spec.FREE_SEEDS):
-        seeded = apply_alignment(spec, {"set": {"SEED": spec.SEED + i}})
-        for side, fn in (("scratch", train_scratch), ("trl", train_trl)):
-            d = Path(out_dir) / side / f"seed-{spec.SEED + i}"
-            if side == "trl" and spec.PROCESSES > 1:
-                from trl_runner.launch import train_processes
-
-                train_processes(seeded, d, None, progress)
-            else:
-                fn(seeded, d, progress=progress)
-            runs[side].append(d)
-    result = compare_free(runs["scratch"], runs["trl"])
-    result["runs"] = {k: [str(p) for p in v] for k, v in runs.items()}
-    return result
-
-
-def run_free_matrix(base, out_dir, matrix: str = "default", progress: bool = False, log=print, only=None,
-                    resume: bool = False, processes: int = 1, jobs: int = 1) -> dict:
-    from harness.matrix import run_matrix
-
-    return run_matrix(base, out_dir, matrix, mode="free", progress=progress, log=log, only=only, resume=resume,
-                      processes=processes, jobs=jobs)

@@ -276,7 +276,7 @@ def _build(cls, raw: dict, prefix: str):
 
 
 def _cross_checks(spec: Spec) -> None:
-    from scratch_grpo.rewards import REWARDS  # the registry is the source of truth for names
+    from harness.experiment.rewards import REWARDS  # the registry is the source of truth for names
 
     n_seq = spec.sequences_per_step
     if n_seq % spec.GRAD_ACCUM:

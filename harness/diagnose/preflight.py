@@ -189,7 +189,7 @@ def alignment_for(diffs: list[Difference], check: str) -> dict:
 def apply_alignment(spec, align: dict):
     """A copy of `spec` changed as `align` says: `set` spec keys (dotted for tables), `drop_trl` [trl] overrides,
     `set_trl` [trl] overrides."""
-    from harness.spec import parse_spec
+    from harness.experiment.spec import parse_spec
 
     raw = copy.deepcopy(spec.to_dict())
     for key, value in align.get("set", {}).items():

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from scratch_grpo.rewards import gsm8k_answer
+from harness.experiment.rewards import gsm8k_answer
 
 
 class DataError(ValueError):
@@ -23,7 +23,7 @@ class DataError(ValueError):
 def load_rows(data_spec) -> list[dict]:
     """Raw rows with `question` and `answer` (GSM8K's shape), from the source the spec names."""
     if data_spec.source == "synthetic":
-        from harness.embedded import synthetic_rows
+        from harness.experiment.embedded import synthetic_rows
 
         rows = synthetic_rows(data_spec.size, data_spec.seed, data_spec.max_operand, list(data_spec.operations))
     elif data_spec.source == "gsm8k":
@@ -95,3 +95,14 @@ def prompt_schedule(n_rows: int, rounds: int, prompts_per_round: int, seed: int)
 def hash_prompt_ids(indices: list[int]) -> str:
     """`prompt_ids_hash`: of the prompt indices a step used, in order."""
     return hashlib.sha256(",".join(str(int(i)) for i in indices).encode()).hexdigest()[:16]
+
+
+def encode_prompts(tokenizer, prompts: list[list[dict]], max_prompt_tokens: int = 0) -> list[list[int]]:
+    """Render conversational prompts with the chat template (generation prompt on), as TRL does; keep the last
+    `max_prompt_tokens` tokens when it is set (TRL 1.16 has no max_prompt_length, so the harness truncates)."""
+    out = []
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = list(ids["input_ids"])
+        out.append(ids[-max_prompt_tokens:] if max_prompt_tokens else ids)
+    return out

@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from scratch_grpo.sampling import cut_at_eos, pad_left
+from harness.rollouts.generate import cut_at_eos, pad_left
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -246,7 +246,7 @@ def static_decoder_for(spec, policy, eos_ids: list[int], pad_id: int, device: st
 def sample_policy(decoder: StaticDecoder | None, spec, policy, prompt_ids, *, eos_ids, pad_id, device):
     """One round of the policy's own completions: through `decoder` (synced to `policy` first) when there
     is one, else transformers' generate under the spec's dtype."""
-    from scratch_grpo.sampling import generate_completions
+    from harness.rollouts.generate import generate_completions
 
     if decoder is not None:
         decoder.sync_weights(policy)

@@ -14,9 +14,15 @@ from pathlib import Path
 
 import torch
 
-from scratch_grpo.fastgen import sample_policy, static_decoder_for
+from harness.rollouts.fastgen import sample_policy, static_decoder_for
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def shuffle_seed(seed: int, round_idx: int) -> int:
+    """Seed of the micro-batch shuffle of generation round `round_idx`: the scratch loop shuffles with it, and
+    the TRL runner seeds TRL's own shuffle with it in lockstep, so both cut a round into the same micro-batches."""
+    return (seed * 1_000_003 + 7919 * (round_idx + 1)) % (2**63)
 
 
 class RecordingSource:
@@ -39,7 +45,7 @@ class RecordingSource:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.device.startswith("cuda") else []):
             torch.manual_seed(spec.SEED * 7_368_787 + round_idx)
             if spec.sampler.kind != "policy":  # vLLM or the emulated sampler: its log-probs travel with the rollout
-                from harness.sampler import make_sampler
+                from harness.rollouts.samplers import make_sampler
 
                 if self.sampler is None:
                     self.sampler = make_sampler(spec, policy, self.eos_ids, self.pad_id, self.device)

@@ -16,7 +16,7 @@ import copy
 
 import torch
 
-from scratch_grpo.sampling import generate_completions, score_completions
+from harness.rollouts.generate import generate_completions, score_completions
 
 
 class EmulatedSampler:

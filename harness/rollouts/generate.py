@@ -1,23 +1,17 @@
-"""Drawing completions with Hugging Face `generate`, batching them, and scoring them with a model.
+"""Drawing completions with Hugging Face `generate`, padding them, and scoring them as a sampler does.
 
-Used by the scratch loop when it samples for itself, and by the harness's samplers (the emulated
-vLLM stand-in, the lockstep sampler). Plain transformers + torch.
+Owns: left/right padding, cutting at eos, `generate_completions` (transformers' `generate` under the
+spec's dtype) and `score_completions` (the sampled tokens' log-probs, as an inference engine reports
+them). Used by the scratch loop when it samples for itself, by the lockstep recorder and by the
+emulated sampler. Part of the rollouts stage: it imports no side. The trainers' own log-probs (with
+gradients) are each side's business (`scratch_grpo/core.py`, TRL).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
-from scratch_grpo.core import token_logprobs
-
-
-def autocast_for(device: str, dtype: str):
-    """bf16 runs keep fp32 master weights and compute under autocast, as TRL's bf16=True does."""
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
-    return nullcontext()
+from harness.experiment.models import autocast_for
 
 
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,18 +67,25 @@ def generate_completions(model, prompt_ids: list[list[int]], *, eos_ids: list[in
     return out
 
 
-def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                       completion_mask: torch.Tensor, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs (B, T) of the completion tokens, and optionally the logits for entropy.
+LEAN_ROWS = 1024  # positions scored at once: a sampler never needs the whole fp32 (B, T, V) tensor
 
-    Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them.
-    """
+
+def sampled_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                     completion_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-token log-probs (B, T) of the completion tokens on logits / temperature, in fp32, without gradients.
+
+    Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them. The
+    same expression as the scratch loop's `token_logprobs`, taken chunk by chunk (no autograd here)."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     T = completion_ids.size(1)
     logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1).logits[:, :-1]
-    logp = token_logprobs(logits, completion_ids, temperature)
-    return (logp, logits) if with_entropy else (logp, None)
+    out = torch.empty(completion_ids.shape, dtype=torch.float32, device=logits.device)
+    for b in range(logits.size(0)):
+        for s in range(0, T, LEAN_ROWS):
+            x = torch.log_softmax(logits[b, s:s + LEAN_ROWS].float() / temperature, dim=-1)
+            out[b, s:s + LEAN_ROWS] = x.gather(-1, completion_ids[b, s:s + LEAN_ROWS, None]).squeeze(-1)
+    return out
 
 
 @torch.no_grad()
@@ -98,18 +99,8 @@ def score_completions(model, prompt_ids: list[list[int]], completion_ids: list[l
         p, pm = pad_left(prompt_ids[start:start + step], pad_id)
         c, cm = pad_right(completion_ids[start:start + step], pad_id)
         with autocast_for(device, dtype):
-            logp, _ = completion_forward(model, p.to(device), pm.to(device), c.to(device), cm.to(device), temperature)
+            logp = sampled_logprobs(model, p.to(device), pm.to(device), c.to(device), cm.to(device), temperature)
         for row, n in zip(logp.float().cpu(), cm.sum(-1).tolist()):
             out.append(row[:n].tolist())
     return out
 
-
-def encode_prompts(tokenizer, prompts: list[list[dict]], max_prompt_tokens: int = 0) -> list[list[int]]:
-    """Render conversational prompts with the chat template (generation prompt on), as TRL does; keep the last
-    `max_prompt_tokens` tokens when it is set (TRL 1.16 has no max_prompt_length, so the harness truncates)."""
-    out = []
-    for messages in prompts:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        ids = list(ids["input_ids"])
-        out.append(ids[-max_prompt_tokens:] if max_prompt_tokens else ids)
-    return out

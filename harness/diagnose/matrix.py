@@ -3,10 +3,9 @@
 Cells vary the lesson's three checks on the TRL side against a matched base spec:
 batch semantics {matched, naive} x TRL `loss_type` {grpo, bnpo, dr_grpo, dapo} x IS correction
 {off, each mode}. A cell is expected at parity when TRL is set up as the scratch loop is, and to
-diverge otherwise. For a diverged cell, attribution walks the preflight's differences in the
-lesson's order (batch, loss_type, importance_sampling, then any other field), re-runs the cell
-with only that difference aligned, and calls the cause confirmed when the divergence disappears;
-otherwise it stays a suspicion.
+diverge otherwise. Each cell is one pair of runs (`pairs.run_pair`); a diverged cell
+goes to `attribution.attribute`. `run_matrix` writes `verdict.json` after every cell, so a killed run
+keeps the cells it finished (`--resume`).
 """
 
 from __future__ import annotations
@@ -18,21 +17,13 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.compare import compare_runs
-from harness.preflight import CHECK_ORDER, alignment_for, apply_alignment, preflight
+from harness.diagnose.attribution import attribute
+from harness.diagnose.pairs import run_pair
+from harness.diagnose.preflight import apply_alignment, preflight
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 EMULATED_NOISE = 0.02  # the IS cells' emulated sampler: weights + 2% noise (a stated, controlled mismatch)
-MAX_CONFIRMATIONS = 3
-_SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
-_CLIP_ONLY = ("clipping binds only where the policy ratio leaves 1: NUM_ITERATIONS > 1, or an IS sampler; with one "
-              "pass per generation the ratio is exactly 1")
-FREE_NO_EFFECT = ("free run: the two sides differ by less than the seed-to-seed noise allows at this many seeds and "
-                  "steps; run --mode lockstep (same rollouts on both sides), or more seeds or steps")
-NO_EFFECT_WHY = {"other:top_k": _SAMPLING_ONLY, "other:top_p": _SAMPLING_ONLY, "other:min_p": _SAMPLING_ONLY,
-                 "other:repetition_penalty": _SAMPLING_ONLY, "other:epsilon_high": _CLIP_ONLY,
-                 "other:epsilon": _CLIP_ONLY, "other:delta": _CLIP_ONLY}
 
 
 @dataclasses.dataclass
@@ -120,109 +111,6 @@ def _build_cells(base, matrix: str) -> list[Cell]:
                                   _variant(base, **changes) if changes else base,
                                   "diverged" if expected_cause else "parity", expected_cause))
     return cells
-
-
-# ---------------------------------------------------------------------------------------------
-# running one pair
-# ---------------------------------------------------------------------------------------------
-def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False) -> dict:
-    """Both loops on `spec` into out_dir/{scratch,trl}; returns the comparison."""
-    from harness.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
-    from harness.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer, resolve_device
-    from scratch_grpo.train import train as train_scratch
-    from trl_runner.runner import train as train_trl
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if mode == "free":
-        from harness.freerun import run_free_pair
-
-        return run_free_pair(spec, out_dir, progress)
-    ckpt = checkpoint_dir(spec)
-    tok = load_tokenizer(ckpt)
-    device = resolve_device(spec)
-    eos = eos_token_ids(generation_config(ckpt), tok)  # no weights loaded just for this
-    source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
-    train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
-    source.release()
-    broken = []
-    if spec.PROCESSES > 1:  # TRL under torchrun/accelerate, each process replaying its slice of the rollouts
-        from trl_runner.launch import train_processes
-
-        train_processes(spec, out_dir / "trl", out_dir / ROLLOUTS_FILE, progress)
-    else:
-        replay = ReplaySource(source.records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
-        train_trl(spec, out_dir / "trl", rollout_source=replay, progress=progress, lockstep=True)
-        broken = replay.broken_rounds
-    result = compare_runs(out_dir / "scratch", out_dir / "trl", mode="lockstep", dtype=spec.DTYPE)
-    if broken:
-        result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
-                               "for prompts the scratch loop did not use, so it sampled them from its own weights")
-    return result
-
-
-# ---------------------------------------------------------------------------------------------
-# attribution
-# ---------------------------------------------------------------------------------------------
-def _evidence(check: str, result: dict) -> str | None:
-    """What in the curves points at a check (used to word suspicions; confirmation decides)."""
-    m = result["metrics"]
-    outside = set(result["outside"])
-    fd = result["first_divergence"] or {}
-    if check == "batch":
-        hit = [k for k in ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "epoch") if k in outside]
-        return f"{', '.join(hit)} differ from step {min(m[k]['first_outside'] for k in hit)}" if hit else None
-    if check == "loss_type":
-        if fd and fd.get("metric") in ("loss", "grad_norm", "param_rel_l2") and "reward" not in outside:
-            return f"{fd['metric']} parts at step {fd['step']} while the rewards agree"
-        return None
-    if check == "importance_sampling":
-        one_sided = [k for k in result["only_in_a"] + result["only_in_b"] if k.startswith("sampling/")]
-        if one_sided:
-            return f"IS ratio statistics on one side only ({one_sided[0]}, ...)"
-        hit = [k for k in outside if k.startswith("sampling/")]
-        return f"IS ratio statistics differ ({hit[0]})" if hit else None
-    return None
-
-
-def attribute(cell: Cell, result: dict, cell_dir: Path, mode: str, progress: bool, log) -> list[dict]:
-    """Name the cause of a divergence and confirm it by re-running with only that difference aligned."""
-    _tr, diffs, _facts = preflight(cell.spec)
-    checks = []
-    for d in diffs:
-        if d.check not in checks:
-            checks.append(d.check)
-    rank = {c: i for i, c in enumerate(CHECK_ORDER)}
-    checks.sort(key=lambda c: rank.get(c, len(rank)))
-    diverged = result["first_divergence"] is not None
-    out = []
-    if not diverged:
-        why = (lambda c: NO_EFFECT_WHY.get(c, "the preflight lists it, but the runs agree within tolerance")) \
-            if mode == "lockstep" else (lambda c: FREE_NO_EFFECT)
-        return [{"cause": c, "status": "no measured effect", "evidence": why(c),
-                 "fields": sorted({f for d in diffs if d.check == c for f in d.fields})} for c in checks]
-    confirmations = 0
-    for check in checks:
-        entry = {"cause": check, "fields": sorted({f for d in diffs if d.check == check for f in d.fields}),
-                 "evidence": _evidence(check, result)}
-        if confirmations < MAX_CONFIRMATIONS and not any(e["status"] == "confirmed" for e in out):
-            confirmations += 1
-            aligned = apply_alignment(cell.spec, alignment_for(diffs, check))
-            log(f"    confirming {check}: re-run with only it aligned")
-            try:
-                again = run_pair(aligned, cell_dir / f"confirm-{check.replace(':', '-')}", mode, progress)
-                entry["rerun_first_divergence"] = again["first_divergence"]
-                entry["status"] = "confirmed" if again["first_divergence"] is None else "suspected"
-            except Exception as e:  # a failing confirmation must not sink the cell
-                entry["status"] = "suspected"
-                entry["rerun_error"] = f"{type(e).__name__}: {e}"
-        else:
-            entry["status"] = "suspected"
-        out.append(entry)
-    if not out:
-        out.append({"cause": "unexplained", "status": "suspected", "fields": [],
-                    "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"})
-    out.sort(key=lambda e: e["status"] != "confirmed")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +240,7 @@ def _json_default(o):
 
 
 def _verdict_doc(base, matrix, mode, verdicts, t_start, processes, only=None) -> dict:
-    from harness.runlog import library_versions
+    from harness.runlog.log import library_versions
 
     return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
             "base_spec": base.to_dict(), "processes": processes, "cells_selected": list(only or []), "cells": verdicts,

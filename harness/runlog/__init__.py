@@ -1,0 +1,8 @@
+"""Stage 2, the run log: the one format every side writes and every diagnosis reads.
+
+- `log`: `metrics.jsonl` (one line per optimizer step), `manifest.json`, `completions.jsonl`, the reader;
+- `params`: the parameter sketch both sides record after each step (weight distance between the sides);
+- `stops`: graceful SIGINT/SIGTERM at step boundaries.
+
+Imports only `harness.experiment`.
+"""
