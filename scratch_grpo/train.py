@@ -8,7 +8,7 @@ clipped surrogate over GRAD_ACCUM micro-batches and take one AdamW step. Every c
 differently is a spec field (LOSS_NORM, ADV_SCALE, STD, LOGP_OLD, IS_*, LR_SCHEDULE, ...), so this loop
 can reproduce any TRL setting; the math lives in `scratch_grpo/core.py`.
 
-Metrics use TRL's names and meanings (see harness/runlog.py for the harness fields). Where TRL
+Metrics use TRL's names and meanings (see harness/runlog/log.py for the harness fields). Where TRL
 averages a statistic over micro-batches (entropy, kl, clip_ratio/*), so does this loop.
 """
 

@@ -1,4 +1,4 @@
-"""The static-cache decoder (scratch_grpo/fastgen.py): its sampling rule by hand, its log-probs against a
+"""The static-cache decoder (harness/rollouts/fastgen.py): its sampling rule by hand, its log-probs against a
 full forward pass, eos handling, and the scratch loop running on it."""
 
 import pytest

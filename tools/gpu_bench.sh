@@ -16,7 +16,7 @@ STEPS_LOCK=${STEPS_LOCK:-10}
 STEPS_BENCH=${STEPS_BENCH:-5}
 has tests && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 # build the 0.6B-shaped checkpoint once (the other parts use it)
-[[ "$PARTS" == *decode* || "$PARTS" == *lockstep* || "$PARTS" == *bench* ]] && timeout 120 python3 -c "from harness.spec import load_spec; from harness.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
+[[ "$PARTS" == *decode* || "$PARTS" == *lockstep* || "$PARTS" == *bench* ]] && timeout 120 python3 -c "from harness.experiment.spec import load_spec; from harness.experiment.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
 has decode && timeout 150 python3 tools/decode_bench.py 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
 t0=$(date +%s)
 has lockstep && timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out /tmp/lock --verbose \

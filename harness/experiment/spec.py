@@ -89,7 +89,7 @@ class DataSpec:
 @dataclass
 class RewardsSpec:
     functions: list = _f(["correctness", "format"], "Reward functions by registry name (see "
-                         "`scratch_grpo/rewards.py: REWARDS`); summed with `weights`.")
+                         "`harness/experiment/rewards.py: REWARDS`); summed with `weights`.")
     weights: list = _f([1.0, 0.5], "One weight per function (TRL's `reward_weights`).")
 
 
@@ -140,7 +140,7 @@ class Spec:
                             min=0.0, min_exclusive=True, max=100.0)
     TOP_P: float = _f(1.0, "Nucleus sampling mass.", min=0.0, min_exclusive=True, max=1.0)
     GENERATION: str = _f("auto", "How the scratch loop samples when sampler.kind = \"policy\": `hf` (transformers' "
-                         "generate, as TRL without vLLM), `static` (scratch_grpo/fastgen.py: a bf16/fp32 inference copy, "
+                         "generate, as TRL without vLLM), `static` (harness/rollouts/fastgen.py: a bf16/fp32 inference copy, "
                          "a static KV cache and one CUDA graph per decode step), or `auto` (static on a GPU, hf on CPU). "
                          "The TRL side always uses its own generation; lockstep replays one recording to both.",
                          choices=("auto", "hf", "static"))
