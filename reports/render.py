@@ -81,10 +81,53 @@ def _series(df, metric):
         return None
 
 
+TIMING = frozenset(GROUPS["throughput and memory"])
+# bookkeeping columns: compared by the comparator, never drawn as curves
+NOT_CURVES = frozenset({"step", "prompt_ids_hash", "reward_errors", "step_time", "num_tokens"})
+MAX_PANELS = 9  # a cell shows at most this many curves; the rest are listed in words
+
+
+def _style_axis(ax) -> None:
+    """Integer steps, no offset or scientific shorthand on the value axis, labels a person can read."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    if ax.get_yscale() == "linear":  # log axes keep their decades
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=4))
+        ax.ticklabel_format(axis="y", useOffset=False)
+    ax.tick_params(labelsize=9)
+    ax.grid(alpha=0.25, lw=0.6)
+
+
+def _band(t: dict | None, y):
+    """The tolerance around 0 that the difference must stay within at each step (lockstep), or None."""
+    if not t or "atol" not in t or y is None:
+        return None
+    return t.get("atol", 0) + t.get("rtol", 0) * y.abs()
+
+
+def classify_metrics(a, b, metrics) -> dict:
+    """Which metrics carry information: `plot` (they differ somewhere: worth a picture), `identical` (equal on
+    every step), `constant` (identical and never change), `one_sided` (logged by one side only)."""
+    out = {"plot": [], "identical": [], "constant": [], "one_sided": []}
+    for m in metrics:
+        x, y = _series(a, m), _series(b, m)
+        if x is None and y is None:
+            continue
+        if x is None or y is None:
+            out["one_sided"].append(m)
+            continue
+        if x.index.equals(y.index) and x.equals(y):
+            out["constant" if x.dropna().nunique() <= 1 else "identical"].append(m)
+        else:
+            out["plot"].append(m)
+    return out
+
+
 def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch", "trl"), rel_l2=None,
-                  spread=None) -> str | None:
-    """Per metric: both curves overlaid (with a tolerance band around the second, or each side's seed spread),
-    the difference below, and a marker at the first divergence."""
+                  spread=None, cols: int = 3) -> str | None:
+    """Per metric: both curves overlaid (or each side's seed spread), the difference below on its own scale with
+    the tolerance band around 0, and a red line at the first divergence. Only metrics with data are drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,57 +142,119 @@ def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch
             panels.append((m, _series(a, m), _series(b, m)))
     if not panels:
         return None
-    cols = min(4, len(panels))
+    cols = min(cols, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows * 2, cols, figsize=(3.8 * cols, 3.6 * rows), squeeze=False,
+    fig, axes = plt.subplots(rows * 2, cols, figsize=(4.4 * cols, 3.5 * rows), squeeze=False,
                              gridspec_kw={"height_ratios": [2, 1] * rows})
     for i, (m, x, y) in enumerate(panels):
         top, bottom = axes[(i // cols) * 2][i % cols], axes[(i // cols) * 2 + 1][i % cols]
         if m == "param_rel_l2":
             steps = list(range(1, len(rel_l2) + 1))
-            top.plot(steps, [max(v, 1e-12) for v in rel_l2], color="#7b3294", lw=1.5, label="rel. L2 distance")
+            top.plot(steps, [max(v, 1e-12) for v in rel_l2], color="#7b3294", lw=1.8, label="distance")
             lim = (tolerance or {}).get("param_rel_l2", {}).get("max")
             if lim:
                 top.axhline(lim, color="#999", ls="--", lw=1, label="tolerance")
             top.set_yscale("log")
+            top.legend(fontsize=8, loc="lower right")
             bottom.axis("off")
+            title = "weights: relative L2 distance"
         else:
             if x is not None:
-                top.plot(x.index, x.values, color="#1f77b4", lw=1.6, label=names[0])
+                top.plot(x.index, x.values, color="#1f77b4", lw=1.8, label=names[0])
             if y is not None:
-                top.plot(y.index, y.values, color="#ff7f0e", lw=1.2, ls="--", label=names[1])
+                top.plot(y.index, y.values, color="#ff7f0e", lw=1.4, ls="--", label=names[1])
             if spread and m in spread:
                 for side, color in ((0, "#1f77b4"), (1, "#ff7f0e")):
                     lo, hi = spread[m][side]
                     top.fill_between(lo.index, lo.values, hi.values, color=color, alpha=0.15, lw=0)
-            t = (tolerance or {}).get(m)
-            if y is not None and t and "atol" in t:
-                band = t.get("atol", 0) + t.get("rtol", 0) * y.abs()
-                top.fill_between(y.index, (y - band).values, (y + band).values, color="#ff7f0e", alpha=0.18, lw=0)
             if x is not None and y is not None:
                 d = (x - y).dropna()
-                bottom.plot(d.index, d.values, color="#444", lw=1)
+                bottom.plot(d.index, d.values, color="#333", lw=1.2)
                 bottom.axhline(0, color="#bbb", lw=0.8)
-                bottom.set_ylabel("difference", fontsize=7)
+                band = _band((tolerance or {}).get(m), y)
+                if band is not None and not d.empty:
+                    band = band.reindex(d.index)
+                    bottom.fill_between(d.index, (-band).values, band.values, color="#2ca02c", alpha=0.15, lw=0,
+                                        label="tolerance")
+                    peak = float(d.abs().max())
+                    if peak > 0 and float(band.max()) > 5 * peak:  # the band would flatten the difference: zoom in
+                        bottom.set_ylim(-1.3 * peak, 1.3 * peak)
+                        bottom.text(0.99, 0.95, f"tolerance ±{float(band.max()):.2g} (beyond view)", fontsize=7,
+                                    ha="right", va="top", color="#2ca02c", transform=bottom.transAxes)
+                bottom.set_ylabel(f"{names[0]} − {names[1]}", fontsize=8)
+                _style_axis(bottom)
             else:
                 bottom.text(0.5, 0.5, f"only in {names[0] if y is None else names[1]}", ha="center", va="center",
-                            fontsize=8, transform=bottom.transAxes)
+                            fontsize=9, transform=bottom.transAxes)
                 bottom.set_xticks([])
                 bottom.set_yticks([])
+            title = m
+            if i == 0:
+                top.legend(fontsize=8)
         if first_div and first_div.get("metric") == m:
             for ax in (top, bottom):
                 ax.axvline(first_div["step"], color="#d62728", lw=1.2)
-            top.annotate(f"first divergence\nstep {first_div['step']}", (first_div["step"], 0.95),
-                         xycoords=("data", "axes fraction"), fontsize=7, color="#d62728", va="top")
-        top.set_title(m, fontsize=9)
-        top.tick_params(labelsize=7)
-        bottom.tick_params(labelsize=7)
-        if i == 0:
-            top.legend(fontsize=7)
+            top.annotate(f"parts at step {first_div['step']}", (first_div["step"], 0.95),
+                         xycoords=("data", "axes fraction"), fontsize=8, color="#d62728", va="top", ha="left")
+        top.set_title(title, fontsize=10.5)
+        _style_axis(top)
     for j in range(len(panels), rows * cols):
         axes[(j // cols) * 2][j % cols].axis("off")
         axes[(j // cols) * 2 + 1][j % cols].axis("off")
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.95, bottom=0.05, hspace=0.45, wspace=0.3)
+    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.35 / (3.5 * rows), bottom=0.25 / (3.5 * rows), hspace=0.5,
+                        wspace=0.3)
+    return _png(fig)
+
+
+def overview_figure(cells: list[dict], tolerance_max: float | None = None) -> str | None:
+    """The first picture: per diverged cell, the metric where it parts (both sides, the step marked); and, in
+    lockstep, the distance between the two models' weights for every cell on one log axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parted = [c for c in cells if c.get("first_divergence") and c.get("_frames")]
+    dists = [c for c in cells if c.get("_rel_l2")]
+    n = len(parted) + (1 if dists else 0)
+    if not n:
+        return None
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 2.6 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    k = 0
+    if dists:
+        ax = flat[0]
+        for c in dists:
+            steps = list(range(1, len(c["_rel_l2"]) + 1))
+            ok = not c.get("first_divergence")
+            ax.plot(steps, [max(v, 1e-12) for v in c["_rel_l2"]], lw=1.4 if ok else 1.0,
+                    color="#2ca02c" if ok else "#d62728", alpha=0.85)
+        if tolerance_max:
+            ax.axhline(tolerance_max, color="#999", ls="--", lw=1)
+        ax.set_yscale("log")
+        ax.set_title("weights apart (rel. L2): green parity, red parted", fontsize=10)
+        _style_axis(ax)
+        k = 1
+    for c in parted:
+        ax = flat[k]
+        k += 1
+        fd = c["first_divergence"]
+        a, b = c["_frames"]
+        for df, color, ls, name in ((a, "#1f77b4", "-", "scratch"), (b, "#ff7f0e", "--", "trl")):
+            s = _series(df, fd["metric"])
+            if s is not None:
+                ax.plot(s.index, s.values, color=color, ls=ls, lw=1.5, label=name)
+        ax.axvline(fd["step"], color="#d62728", lw=1.2)
+        ax.set_title(f"{c['name']}: {fd['metric']}", fontsize=10)
+        _style_axis(ax)
+        if c is parted[0]:
+            ax.legend(fontsize=8)
+    for ax in flat[k:]:
+        ax.axis("off")
+    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.35 / (2.6 * rows), bottom=0.3 / (2.6 * rows), hspace=0.55,
+                        wspace=0.3)
     return _png(fig)
 
 
@@ -278,7 +383,8 @@ def _seed_spread(a_frames, b_frames):
 
 
 def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> dict:
-    """One cell's page section. `full`: every metric group; otherwise the key curves only."""
+    """One cell's page section. Curves only for metrics that differ somewhere (`full`: all of them, else the key
+    metrics), the rest named in words: identical on every step, constant, logged by one side only."""
     from harness.runlog.params import relative_l2
 
     cell_dir = Path(cell.get("dir", ""))
@@ -300,17 +406,27 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     mapping = json.loads(mapping_path.read_text()) if mapping_path.exists() else []
     fd = cell.get("first_divergence")
     tol = tolerances.get("lockstep", {}).get(manifest_a.get("spec", {}).get("DTYPE", "float32"), {})
-    timing = set(GROUPS["throughput and memory"])  # no tolerance: these differ run to run by nature
-    tol_by_metric = {m: tol.get(m, tol.get("default", {})) for m in {x for g in GROUPS.values() for x in g} - timing}
+    # timing metrics get no curve and no tolerance: they differ run to run by nature
+    ordered = [m for g in GROUPS.values() for m in g if m not in TIMING and m != "param_rel_l2"]
+    if a is not None and b is not None:  # anything else both sides log (a reward's own mean, say)
+        ordered += sorted((set(a.columns) & set(b.columns)) - set(ordered) - TIMING - NOT_CURVES)
+    tol_by_metric = {m: tol.get(m, tol.get("default", {})) for m in ordered}
     tol_by_metric["param_rel_l2"] = tol.get("param_rel_l2", {})
+    kinds = classify_metrics(a, b, ordered)
+    plot = kinds["plot"] if full else [m for m in kinds["plot"] if m in KEY_METRICS]
+    if fd and fd.get("metric") in plot:  # the metric where the sides part comes first
+        plot.remove(fd["metric"])
+        plot.insert(0, fd["metric"])
+    shown = (["param_rel_l2"] if rel else []) + plot
     figures = []
-    groups = GROUPS.items() if full else [("key curves", KEY_METRICS)]
-    if a is not None or b is not None:
-        for group, metrics in groups:
-            img = curves_figure(a, b, metrics, fd, tol_by_metric if mode == "lockstep" else None,
-                                rel_l2=rel if "param_rel_l2" in metrics else None, spread=spread)
-            if img:
-                figures.append({"group": group, "img": img})
+    if shown:
+        img = curves_figure(a, b, shown[:MAX_PANELS], fd, tol_by_metric if mode == "lockstep" else None, rel_l2=rel,
+                            spread=spread)
+        if img:
+            figures.append({"group": "metrics that differ", "img": img})
+    kinds["not_drawn"] = shown[MAX_PANELS:] + ([m for m in kinds["plot"] if m not in plot])
+    kinds["timing"] = {side: {m: float(df[m].median()) for m in ("wall_s", "gen_s") if _series(df, m) is not None}
+                       for side, df in (("scratch", a), ("trl", b)) if df is not None}
     step = fd["step"] if fd else None
     return {
         **cell, "figures": figures, "full": full,
@@ -320,7 +436,8 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         "mapping": mapping,
         "samplers": sorted({str(m.get("sampler")) for m in (manifest_a, manifest_b) if m.get("sampler")}),
         "emulated": any("emulated" in str(m.get("sampler", "")) for m in (manifest_a, manifest_b)),
-        "device": manifest_a.get("device"), "lockstep_note": mode == "lockstep",
+        "device": manifest_a.get("device"), "lockstep_note": mode == "lockstep", "kinds": kinds,
+        "_frames": (a, b), "_rel_l2": rel,
     }
 
 
@@ -329,6 +446,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
 # ---------------------------------------------------------------------------------------------
 def write_parity_report(out_dir: str | Path) -> Path:
     from harness.diagnose.compare import load_tolerances
+    from harness.diagnose.matrix import headline
 
     out_dir = Path(out_dir)
     doc = json.loads((out_dir / "verdict.json").read_text())
@@ -341,8 +459,13 @@ def write_parity_report(out_dir: str | Path) -> Path:
             seen.add(c.get("expected_cause"))
     cells = [_cell_view(c, tolerances, doc.get("mode", "lockstep"), full=i in full) for i, c in enumerate(doc["cells"])]
     cols, matrix_rows = _matrix_view(doc["cells"])
+    dtype = next((c["_frames"][0].attrs.get("manifest", {}).get("spec", {}).get("DTYPE") for c in cells
+                  if c["_frames"][0] is not None), "float32")
+    limit = tolerances.get("lockstep", {}).get(dtype or "float32", {}).get("param_rel_l2", {}).get("max")
+    overview = overview_figure(cells, limit if doc.get("mode", "lockstep") == "lockstep" else None)
     html = _env().get_template("parity.html.j2").render(doc=doc, cells=cells, matrix_cols=[SHORT.get(c, c) for c in cols],
-                                                         matrix_rows=matrix_rows)
+                                                         matrix_rows=matrix_rows, headline=headline(doc),
+                                                         overview=overview)
     path = out_dir / "report.html"
     path.write_text(html)
     write_index(out_dir.parent)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import DEFAULT_SPEC, LESSON_SPEC, ROOT, small_spec
 from harness.diagnose.compare import CompareInputError, compare_frames, load_any_run, load_tolerances
-from harness.diagnose.preflight import alignment_for, apply_alignment, preflight
+from harness.diagnose.preflight import alignment_for, apply_alignment, fix_for, preflight
 from harness.experiment.spec import load_spec
 
 
@@ -51,6 +51,26 @@ def test_lessons_three_checks_come_first_and_alignment_removes_them():
     for check in ("batch", "loss_type", "other:adam_beta2"):
         left = [d.check for d in preflight(apply_alignment(spec, alignment_for(diffs, check)))[1]]
         assert check not in left and len(set(left)) == 2
+
+
+@pytest.mark.parametrize("override, check, trl, scratch, words", [
+    # small_spec: 4 prompts x 4 completions, accumulation 2 -> matched per_device_train_batch_size = 4 * 4 / 2 = 8
+    ('BATCH_MAPPING="naive"', "batch", {"per_device_train_batch_size": 8}, {}, "counts completions, not prompts"),
+    ('trl.loss_type="dapo"', "loss_type", {"loss_type": "grpo"}, {}, "TRL averages over tokens"),
+    ("trl.adam_beta2=0.999", "other:adam_beta2", {"adam_beta2": 0.99}, {}, "adam beta2: TRL 0.999"),
+    # TRL has no population std: the only way to match is on the scratch side, and the sentence says so
+    ('STD="population"', "other:STD", {}, {"STD": "bessel"}, "TRL has no setting for it"),
+])
+def test_fix_names_the_setting_that_matches(override, check, trl, scratch, words):
+    spec = small_spec(override)
+    _tr, diffs, _ = preflight(spec)
+    fix = fix_for(spec, diffs, check)
+    assert (fix["trl"], fix["scratch"]) == (trl, scratch)
+    assert words in fix["sentence"] and fix["sentence"].endswith("to match"), fix["sentence"]
+    # applying the named [trl] fields removes that difference and no other
+    if trl:
+        fixed = load_spec(DEFAULT_SPEC, ["STEPS=4", override, *(f"trl.{k}={json.dumps(v)}" for k, v in trl.items())])
+        assert check not in checks(fixed)
 
 
 def run(*args):

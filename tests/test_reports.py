@@ -30,12 +30,29 @@ def test_report_is_self_contained_and_escaped(parity_dir):
     html = (parity_dir / "report.html").read_text()
     # the verdict comes first, before any picture
     assert html.index('id="verdict"') < html.index("data:image/png")
-    assert "OK: 1 of 1 cells as expected" in html
+    assert "DIVERGED at step 1" in html and "as the preflight predicted: 1 of 1 cells as expected" in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "<script>alert(1)" not in html and "onerror=alert(2)>" not in html
     assert "http://" not in html and "https://" not in html  # no CDN, nothing fetched
-    assert html.count("data:image/png;base64,") >= 5
+    assert 'id="overview"' in html and html.count("data:image/png;base64,") >= 2  # overview + the cell's curves
     assert "loss_type" in html and "confirmed" in html
+    # the first words say what to change, before the cell table and any picture
+    head = html[html.index('id="headline"'):html.index('id="cells"')]
+    assert "part at step" in head and "set loss_type = &#34;grpo&#34; in [trl] to match" in head
+    assert "metrics identical on every step" in html  # lockstep: rewards and lengths collapse into one line
+
+
+def test_only_metrics_that_differ_get_a_curve():
+    import pandas as pd
+
+    from reports.render import classify_metrics
+
+    a = pd.DataFrame({"loss": [1.0, 2.0, 3.0], "reward": [0.1, 0.5, 0.2], "epoch": [1.0, 1.0, 1.0],
+                      "entropy": [2.0, 2.0, 2.0], "kl": [0.0, 0.1, 0.2]}, index=[1, 2, 3])
+    b = pd.DataFrame({"loss": [1.0, 2.0, 3.5], "reward": [0.1, 0.5, 0.2], "epoch": [1.0, 1.0, 1.0],
+                      "entropy": [2.0, 2.0, 2.5]}, index=[1, 2, 3])
+    kinds = classify_metrics(a, b, ["loss", "reward", "epoch", "entropy", "kl", "absent"])
+    assert kinds == {"plot": ["loss", "entropy"], "identical": ["reward"], "constant": ["epoch"], "one_sided": ["kl"]}
 
 
 def test_index_for_several_runs(parity_dir, tmp_path):
@@ -82,4 +99,34 @@ def test_report_in_a_real_browser(parity_dir, tmp_path):
     assert "cells as expected" in verdict
     assert EVIL in body_text  # shown as text
     assert [u for u in requests if not u.startswith(("file:", "data:"))] == []
+    assert shot.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here; .ci/run installs Debian's chromium package")
+@pytest.mark.parametrize("width, height", [(390, 844), (1280, 800)])  # a phone, a laptop
+def test_first_screens_at_phone_and_desktop_width(parity_dir, tmp_path, width, height):
+    """Verdict, what to change, the cell table and the first picture within two screens; nothing cut off sideways."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu",
+                                                                     "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.goto((parity_dir / "report.html").as_uri())
+        page.wait_for_load_state("load")
+        boxes = {sel: page.locator(sel).bounding_box() for sel in ("#verdict", "#headline", "#cells", "#overview")}
+        page_width = page.evaluate("document.documentElement.scrollWidth")
+        verdict_overflow = page.evaluate("(e => e.scrollWidth - e.clientWidth)(document.querySelector('#verdict'))")
+        shot = tmp_path / f"report-{width}.png"
+        page.screenshot(path=str(shot))
+        browser.close()
+    assert page_width <= width, f"the page scrolls sideways at {width} px ({page_width} px wide)"
+    assert verdict_overflow <= 0
+    for sel, box in boxes.items():
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= width + 0.5, (sel, box)
+    assert boxes["#verdict"]["y"] < boxes["#headline"]["y"] < boxes["#cells"]["y"] < boxes["#overview"]["y"]
+    if width >= 1280:  # the laptop shows all four within its first two screens
+        assert boxes["#overview"]["y"] < 2 * height, boxes
+    else:  # the phone shows the verdict and the first words on its first screen
+        assert boxes["#headline"]["y"] < height
     assert shot.stat().st_size > 10_000

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.diagnose import pairs
-from harness.diagnose.preflight import CHECK_ORDER, alignment_for, apply_alignment, preflight
+from harness.diagnose.preflight import CHECK_ORDER, alignment_for, apply_alignment, fix_for, preflight
 
 MAX_CONFIRMATIONS = 3
 _SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
@@ -66,7 +66,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     confirmations = 0
     for check in checks:
         entry = {"cause": check, "fields": sorted({f for d in diffs if d.check == check for f in d.fields}),
-                 "evidence": _evidence(check, result)}
+                 "evidence": _evidence(check, result), "fix": fix_for(cell.spec, diffs, check)}
         if confirmations < MAX_CONFIRMATIONS and not any(e["status"] == "confirmed" for e in out):
             confirmations += 1
             aligned = apply_alignment(cell.spec, alignment_for(diffs, check))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -280,4 +281,64 @@ def format_verdict(doc: dict) -> str:
         cause = v["error"][:60] if v["verdict"] == "failed" else (_cause(v) or "-")
         lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
                      + ("" if v["ok"] else "   <- not as expected"))
+    head = headline(doc)
+    lines += ["", textwrap.fill(head["sentence"], 110)]
+    lines += [textwrap.fill(item, 110, initial_indent="  - ", subsequent_indent="    ") for item in head["items"]]
     return "\n".join(lines)
+
+
+def _fix_sentence(cell: dict) -> str | None:
+    """The cell's leading cause in words, with what to change (from the attribution's `fix`)."""
+    detail = cell.get("attribution_detail") or []
+    lead = next((d for d in detail if d.get("status") == "confirmed"), None) or \
+        next((d for d in detail if d.get("status") == "suspected"), None)
+    if lead is None:
+        return None
+    if lead.get("cause") == "unexplained":
+        return "no setting explains it: " + (lead.get("evidence") or "a bug on one side, or nondeterminism")
+    text = (lead.get("fix") or {}).get("sentence") or f"{lead['cause']} differs ({', '.join(lead.get('fields', []))})"
+    return text if lead["status"] == "confirmed" else f"suspected, not confirmed: {text}"
+
+
+def headline(doc: dict) -> dict:
+    """The report's first words: one plain sentence, and what to change, one line per cause."""
+    cells = doc.get("cells", [])
+    items: list[str] = []
+    if len(cells) == 1:
+        c = cells[0]
+        fd = c.get("first_divergence")
+        if c.get("verdict") == "failed":
+            return {"sentence": f"The run could not finish: {c.get('error')}", "items": []}
+        if not fd:
+            return {"sentence": f"The two loops agree on every step within tolerance ({doc.get('mode')} mode).",
+                    "items": []}
+        why = _fix_sentence(c)
+        sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
+        if any(d.get("status") == "confirmed" for d in c.get("attribution_detail") or []):
+            sentence += " The cause, confirmed by a re-run with only it aligned:"
+        if why:
+            items.append(why[0].upper() + why[1:] + ".")
+        return {"sentence": sentence, "items": items}
+    surprises = [c for c in cells if not c.get("ok")]
+    if not surprises:
+        n_par = sum(c.get("expected") == "parity" for c in cells)
+        sentence = (f"The two loops agree when set up alike ({n_par} cells at parity); each toggled check made them "
+                    "part, and a re-run with only it aligned confirmed the cause. What each toggle means, and the "
+                    "setting that matches TRL to the scratch loop:")
+        for c in cells:
+            if c.get("first_divergence"):
+                why = _fix_sentence(c)
+                if why:
+                    items.append(f"{c['name']}: {why}.")
+        return {"sentence": sentence, "items": list(dict.fromkeys(items))}
+    sentence = f"{len(surprises)} of {len(cells)} cells are not as expected:"
+    for c in surprises:
+        if c.get("verdict") == "failed":
+            items.append(f"{c['name']} failed: {c.get('error')}")
+            continue
+        fd = c.get("first_divergence")
+        where = f" at step {fd['step']} on {fd['metric']}" if fd else ""
+        why = _fix_sentence(c)
+        items.append(f"{c['name']}: expected {c.get('expected')}, got {c.get('verdict')}{where}"
+                     + (f"; {why}." if why else "."))
+    return {"sentence": sentence, "items": items}

@@ -218,3 +218,61 @@ def format_preflight(facts: dict, diffs: list[Difference]) -> str:
     else:
         lines.append("aligned: the two sides will compute the same thing")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# what to change, in words
+# ---------------------------------------------------------------------------------------------
+LOSS_WORDS = {"sequence": "averages per sequence, each completion weighing the same",
+              "token_global": "averages over tokens, each token of the accumulated batch weighing the same",
+              "token_local": "averages over the tokens of each micro-batch",
+              "constant": "divides by batch x max completion length"}
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def fix_for(spec, diffs: list[Difference], check: str) -> dict:
+    """What aligning `check` changes, and a sentence saying it: `trl` (GRPOConfig fields that change, to set in
+    `[trl]` so TRL does what the scratch loop does), `scratch` (spec fields that change on the scratch side when TRL
+    has no setting for it), `sentence`."""
+    mine = [d for d in diffs if d.check == check]
+    align = alignment_for(diffs, check)
+    try:
+        before, after = translate(spec).kwargs, translate(apply_alignment(spec, align)).kwargs
+    except Exception:  # an alignment the installed TRL refuses: say what differs, without a fix
+        before = after = {}
+    trl = {k: after.get(k) for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)}
+    scratch = {k: v for k, v in align.get("set", {}).items() if k != "BATCH_MAPPING" and not trl}
+    if check == "loss_type" and mine:
+        d = mine[0]
+        what = (f"TRL {LOSS_WORDS.get(d.trl, d.trl)} (loss_type={before.get('loss_type')}); the scratch loop "
+                f"{LOSS_WORDS.get(d.scratch, d.scratch)}")
+    elif check == "batch" and mine:
+        facts = {d.quantity: d for d in mine}
+        p = facts.get("prompts per optimizer step")
+        s = facts.get("sequences per optimizer step")
+        what = "; ".join(f"{d.quantity}: TRL {d.trl}, the scratch loop {d.scratch}" for d in mine[:2])
+        if p and s:
+            what = (f"TRL takes {p.trl} prompts ({s.trl} sequences) per optimizer step, the scratch loop {p.scratch} "
+                    f"({s.scratch}): per_device_train_batch_size counts completions, not prompts")
+    elif check == "importance_sampling" and mine:
+        d = mine[0]
+        mode = before.get("vllm_importance_sampling_mode")
+        what = (f"TRL multiplies the loss by an importance-sampling ratio ({mode}), the scratch loop does not"
+                if d.trl == "on" else "; ".join(f"{x.quantity}: TRL {x.trl}, the scratch loop {x.scratch}" for x in mine))
+    else:
+        what = "; ".join(f"{d.quantity}: TRL {d.trl!s}, the scratch loop {d.scratch!s}" for d in mine) or check
+    if trl:
+        how = "set " + ", ".join(f"{k} = {_toml(v)}" for k, v in trl.items()) + " in [trl] to match"
+    elif scratch:
+        how = ("TRL has no setting for it; set " + ", ".join(f"{k} = {_toml(v)}" for k, v in scratch.items())
+               + " in the spec (the scratch loop) to match")
+    else:
+        how = ""
+    return {"trl": trl, "scratch": scratch, "sentence": what + (": " + how if how else "")}
