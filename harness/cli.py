@@ -41,8 +41,11 @@ def check_inputs(spec, scratch: bool = True) -> None:
         if not vllm_available():
             raise InputError("sampler.kind = \"vllm\" needs vLLM, which is not installed here: on a GPU machine "
                              "`pip install -e '.[vllm]'`; elsewhere use sampler.kind = \"emulated\" (a stated stand-in)")
+    from harness.experiment.rewards import RewardError, check_reward_functions
+
     try:
-        to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+        rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+        check_reward_functions(spec, rows)  # your own rewards: imported and called once on two rows
         if spec.data.source == "synthetic" or spec.model.source == "embedded":
             from harness.experiment.embedded import padded_vocabulary
 
@@ -50,7 +53,7 @@ def check_inputs(spec, scratch: bool = True) -> None:
                               spec.model.vocab_size if spec.model.source == "embedded" else 0)
         if spec.model.source == "local" and not (Path(spec.model.path).expanduser() / "config.json").exists():
             raise ModelSourceError(f"model.path: {spec.model.path} is not a checkpoint directory (no config.json)")
-    except (DataError, ModelSourceError, ValueError) as e:
+    except (DataError, ModelSourceError, RewardError, ValueError) as e:
         raise InputError(str(e)) from None
 
 

@@ -18,6 +18,7 @@ import copy
 import math
 import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from harness.experiment.data import encode_prompts
 from harness.experiment.models import autocast_for
-from harness.experiment.rewards import REWARDS, check_rewards
+from harness.experiment.rewards import check_rewards, reward_functions
 from harness.rollouts.fastgen import sample_policy, static_decoder_for
 from harness.rollouts.generate import pad_left, pad_right
 from harness.rollouts.lockstep import shuffle_seed
@@ -87,7 +88,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     rounds = math.ceil(spec.STEPS / mu)  # one generation round feeds mu optimizer steps
     schedule = prompt_schedule(len(rows), rounds, P, spec.SEED)
     reward_names = list(spec.rewards.functions)
-    reward_fns = [REWARDS[n] for n in reward_names]
+    reward_fns = reward_functions(spec)  # built-in, or the user's own: the objects TRL's side calls too
     reward_w = torch.tensor(spec.rewards.weights, dtype=torch.float32)
 
     # emulated: a stated stand-in for vLLM; vllm: colocated, as TRL's colocate mode (lockstep: the source samples)
@@ -148,7 +149,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
             for j, (name, fn) in enumerate(zip(reward_names, reward_fns)):
                 out = fn(prompts=[row["prompt"] for row in seq_rows],
                          completions=[[{"role": "assistant", "content": c}] for c in completions],
-                         completion_ids=completion_ids, log_metric=log_metric, **columns)
+                         completion_ids=completion_ids, log_metric=log_metric, log_extra=lambda *a, **k: None,
+                         trainer_state=SimpleNamespace(global_step=step, max_steps=spec.STEPS), **columns)
                 rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N))
             rewards = (rewards_per_func * reward_w).nansum(dim=1)
             advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS)

@@ -229,7 +229,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
     from harness.runlog.params import ParamSketch
     from harness.runlog.log import RunWriter
-    from harness.experiment.rewards import REWARDS
+    from harness.experiment.rewards import reward_functions
     from trl_runner.translate import translate, write_mapping
 
     translation = translate(spec)  # refuses bad [trl] fields before any model loads
@@ -269,7 +269,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     with writer:
         trainer = HarnessGRPOTrainer(
             model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-            reward_funcs=[REWARDS[n] for n in spec.rewards.functions],
+            reward_funcs=reward_functions(spec),
             rollout_func=make_rollout_func(rollout_source, tokenizer, spec.MAX_PROMPT_TOKENS) if rollout_source else None,
             max_prompt_tokens=spec.MAX_PROMPT_TOKENS, lockstep_seed=spec.SEED if lockstep else None,
         )

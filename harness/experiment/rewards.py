@@ -9,15 +9,24 @@ A scorer that raises, or returns None or NaN, scores 0.0 for that completion and
 batch function reports the count as `reward_errors/<name>` through the `log_metric` callback that TRL
 (and the scratch loop) pass in kwargs. The metric log sums them into `reward_errors`.
 
-To add a reward: write a batch function below and add it to `REWARDS`; specs name it there.
+To add a reward: write a batch function below and add it to `REWARDS`; specs name it there. Or bring your own:
+`[rewards] functions` also takes `"path/to/file.py:name"` (relative to the spec file) and
+`"package.module:name"`; `resolve_reward` imports them once per process, so both sides call the same function
+objects, and `check_reward_functions` calls each once on two data rows before any model loads.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
+import inspect
 import math
+import numbers
 import re
+import sys
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any, Callable
 
 # a number as people write it: sign, thousands commas, decimals ("-1,234.50", "+3", ".5")
@@ -162,3 +171,121 @@ def check_rewards(name: str, values: Any, expected: int) -> list[float]:
             f"(one per prompt-completion pair). Make sure the reward function returns exactly one reward per completion."
         )
     return [math.nan if v is None else float(v) for v in values]
+
+
+# ---------------------------------------------------------------------------------------------
+# your own reward functions: "path/to/file.py:name" or "package.module:name"
+# ---------------------------------------------------------------------------------------------
+_FILE_ENTRY = re.compile(r"^(?P<target>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
+_MODULE_ENTRY = re.compile(r"^(?P<target>[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*)$")
+ENTRY_FORMS = ("a built-in name (" + ", ".join(sorted(REWARDS)) + "), \"path/to/file.py:function\" (relative to the "
+               "spec file) or \"package.module:function\"")
+_RESOLVED: dict[str, Callable] = {}
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be used; the message names it and the fix."""
+
+
+def parse_entry(entry: Any) -> tuple[str, str, str | None]:
+    """("builtin", name, None), ("file", path, function) or ("module", module, function); ValueError otherwise."""
+    if isinstance(entry, str) and entry in REWARDS:
+        return "builtin", entry, None
+    m = _FILE_ENTRY.match(entry) if isinstance(entry, str) else None
+    if m:
+        return "file", m["target"], m["attr"]
+    m = _MODULE_ENTRY.match(entry) if isinstance(entry, str) else None
+    if m:
+        return "module", m["target"], m["attr"]
+    raise ValueError(f"unknown reward {entry!r}: use {ENTRY_FORMS}")
+
+
+def resolve_reward(entry: str) -> Callable[..., list[float]]:
+    """The batch function an entry names, imported once per process (so both sides share the object)."""
+    if entry in _RESOLVED:
+        return _RESOLVED[entry]
+    kind, target, attr = parse_entry(entry)
+    if kind == "builtin":
+        return REWARDS[target]
+    if kind == "file":
+        path = Path(target)
+        if not path.is_file():
+            raise RewardError(f"reward {entry!r}: no file {path}; give the path relative to the spec file")
+        name = "grpo_parity_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        try:
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: say which and why, never a traceback
+            sys.modules.pop(name, None)
+            raise RewardError(f"reward {entry!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise RewardError(f"reward {entry!r}: cannot import module {target!r} ({type(e).__name__}: {e}); "
+                              "install it or run from the folder that holds it") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        known = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise RewardError(f"reward {entry!r}: {target} has no {attr!r}; callables there: {', '.join(known) or 'none'}")
+    if not callable(fn):
+        raise RewardError(f"reward {entry!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    _RESOLVED[entry] = fn
+    return fn
+
+
+def reward_functions(spec) -> list[Callable[..., list[float]]]:
+    return [resolve_reward(e) for e in spec.rewards.functions]
+
+
+def reward_provenance(spec) -> list[dict]:
+    """Per function: the spec entry, its name as TRL logs it, its file and a SHA-256 of its source (manifests)."""
+    out = []
+    for entry in spec.rewards.functions:
+        fn = resolve_reward(entry)
+        try:
+            source = inspect.getsource(fn)
+            path = inspect.getsourcefile(fn)
+        except (OSError, TypeError):
+            source, path = None, None
+        out.append({"entry": entry, "name": getattr(fn, "__name__", entry), "file": path,
+                    "source_sha256": hashlib.sha256(source.encode()).hexdigest() if source else None})
+    return out
+
+
+def check_reward_functions(spec, rows: list[dict]) -> None:
+    """Import every reward function and call it once, as TRL does, on two data rows (their reference answers
+    as completions); raises RewardError naming the function and the fix. Built-in names are trusted."""
+    sample = rows[:2]
+    if not sample:
+        return
+    completions = [str(r.get("answer", "")) for r in sample]
+    columns = {k: [r.get(k) for r in sample] for k in sample[0] if k != "prompt"}
+    for entry in spec.rewards.functions:
+        fn = resolve_reward(entry)
+        if entry in REWARDS:
+            continue
+        try:
+            out = fn(prompts=[r["prompt"] for r in sample],
+                     completions=[[{"role": "assistant", "content": c}] for c in completions],
+                     completion_ids=[list(c.encode("utf-8")) for c in completions],
+                     log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None, trainer_state=None, **columns)
+        except Exception as e:
+            raise RewardError(f"reward {entry!r} raised {type(e).__name__}: {e} when called as TRL calls it "
+                              "(prompts=, completions=, completion_ids=, the data set's columns and trainer_state, "
+                              "log_metric, log_extra as keyword arguments): accept **kwargs and return one float "
+                              "(or None) per completion") from None
+        try:
+            values = list(out)
+        except TypeError:
+            raise RewardError(f"reward {entry!r} returned {type(out).__name__}, not a list: return one float (or None) "
+                              f"per completion") from None
+        if len(values) != len(sample):
+            raise RewardError(f"reward {entry!r} returned {len(values)} values for {len(sample)} completions: return "
+                              "exactly one float (or None) per completion")
+        bad = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real))]
+        if bad:
+            raise RewardError(f"reward {entry!r} returned {type(bad[0]).__name__} {bad[0]!r}: each value must be a "
+                              "float or None (None counts as TRL counts it: NaN, then 0 in the weighted sum)")

@@ -88,8 +88,11 @@ class DataSpec:
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class RewardsSpec:
-    functions: list = _f(["correctness", "format"], "Reward functions by registry name (see "
-                         "`harness/experiment/rewards.py: REWARDS`); summed with `weights`.")
+    functions: list = _f(["correctness", "format"], "Reward functions, summed with `weights`: built-in names "
+                         "(`harness/experiment/rewards.py: REWARDS`), `\"path/to/file.py:function\"` (relative to the "
+                         "spec file) or `\"package.module:function\"`. Called as TRL calls them (prompts=, "
+                         "completions=, completion_ids=, the data set's columns as keywords); one float or None back "
+                         "per completion. The same function objects score both sides.")
     weights: list = _f([1.0, 0.5], "One weight per function (TRL's `reward_weights`).")
 
 
@@ -276,7 +279,7 @@ def _build(cls, raw: dict, prefix: str):
 
 
 def _cross_checks(spec: Spec) -> None:
-    from harness.experiment.rewards import REWARDS  # the registry is the source of truth for names
+    from harness.experiment.rewards import parse_entry  # built-in names, files and modules
 
     n_seq = spec.sequences_per_step
     if n_seq % spec.GRAD_ACCUM:
@@ -294,8 +297,13 @@ def _cross_checks(spec: Spec) -> None:
                         f"({spec.PROMPTS_PER_STEP} x GRAD_ACCUM = {spec.PROMPTS_PER_STEP * spec.GRAD_ACCUM}) to be a "
                         f"multiple of GROUP_SIZE = {spec.GROUP_SIZE}; choose other sizes or BATCH_MAPPING = \"matched\"")
     for i, name in enumerate(spec.rewards.functions):
-        if not isinstance(name, str) or name not in REWARDS:
-            raise SpecError(f"rewards.functions[{i}]", f"unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+        try:
+            kind, target, _attr = parse_entry(name)
+        except ValueError as e:
+            raise SpecError(f"rewards.functions[{i}]", str(e)) from None
+        if kind == "file" and not Path(target).is_file():
+            raise SpecError(f"rewards.functions[{i}]", f"no file {target} (paths are relative to the spec file's "
+                            "folder): give the path of your reward file")
     if len(spec.rewards.weights) != len(spec.rewards.functions):
         raise SpecError("rewards.weights", f"has {len(spec.rewards.weights)} weights for "
                         f"{len(spec.rewards.functions)} functions; give one weight per function")
@@ -348,7 +356,25 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
         raise SpecError("", f"{path}: not valid TOML ({e})") from None
     for item in overrides or []:
         apply_override(raw, item)
+    _anchor_reward_files(raw, path.parent)
     return parse_spec(raw, str(path))
+
+
+def _anchor_reward_files(raw: dict, folder: Path) -> None:
+    """`"file.py:name"` reward entries are relative to the spec file's folder: make them absolute, so the spec
+    means the same from any working directory (and in the manifests, resumes and worker processes)."""
+    from harness.experiment.rewards import parse_entry
+
+    functions = raw.get("rewards", {}).get("functions") if isinstance(raw.get("rewards"), dict) else None
+    if not isinstance(functions, list):
+        return
+    for i, entry in enumerate(functions):
+        try:
+            kind, target, attr = parse_entry(entry)
+        except ValueError:
+            continue  # parse_spec names the bad entry
+        if kind == "file" and not Path(target).expanduser().is_absolute():
+            functions[i] = f"{(folder / Path(target).expanduser()).resolve()}:{attr}"
 
 
 def apply_override(raw: dict, item: str) -> None:

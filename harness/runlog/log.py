@@ -23,6 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+from harness.experiment.rewards import reward_provenance
+
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"  # a few completions per generation step, for reports
 COMPLETIONS_PER_STEP = 4
@@ -100,6 +102,7 @@ class RunWriter:
             "command": sys.argv,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "steps_logged": 0,
+            "rewards": reward_provenance(spec),  # each function's file and source hash: whose rewards scored this
             **(extra or {}),
         }
         _write_json_atomic(self.dir / MANIFEST_FILE, self.manifest)
