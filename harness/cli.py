@@ -58,10 +58,15 @@ def check_inputs(spec, scratch: bool = True) -> None:
 
 
 def _load(args):
-    """The spec with --set overrides, then --steps (and, for `run`, --processes), validated once."""
+    """The spec with --set overrides, then --steps (and, for `run`, --processes; for `parity`, --loop and
+    --against), validated once."""
     from harness.experiment.spec import load_spec
 
     flags = [f"STEPS={args.steps}"] if getattr(args, "steps", None) is not None else []
+    if getattr(args, "loop", None):
+        flags.append(f"loop.command={json.dumps(args.loop)}")  # a TOML string, whatever the command holds
+    if getattr(args, "against", None):
+        flags.append(f"loop.against={json.dumps(args.against)}")
     if args.command == "run" and getattr(args, "processes", None):  # parity's --processes adds cells instead
         flags.append(f"PROCESSES={args.processes}")
     return load_spec(args.spec, [*args.set, *flags])
@@ -74,17 +79,32 @@ def cmd_run(args) -> int:
         from trl_runner.translate import translate
 
         translate(spec)  # refuses unknown [trl] fields before any model loads
+    replay = None
+    if args.rollouts:  # replay a recorded lockstep rollout file (a parity cell's rollouts.jsonl, or your own)
+        from harness.rollouts.lockstep import ReplaySource
+
+        try:
+            replay = ReplaySource.from_file(args.rollouts)
+        except (OSError, ValueError, KeyError) as e:
+            raise InputError(f"--rollouts {args.rollouts}: cannot read it ({type(e).__name__}: {e}); give a "
+                             "rollouts.jsonl a parity run wrote (one JSON object per round)") from None
     out = Path(args.out)
     t0 = time.perf_counter()
     if args.side == "scratch":
-        from scratch_grpo.train import train
+        from scratch_grpo.train import train as run_side
+
+        def train(spec, out, progress):
+            return run_side(spec, out, rollout_source=replay, progress=progress)
     elif spec.PROCESSES > 1:  # torchrun (CPU) or accelerate launch (GPUs), one process each
         from trl_runner.launch import train_processes
 
         def train(spec, out, progress):
-            return train_processes(spec, out, None, progress)
+            return train_processes(spec, out, args.rollouts, progress)
     else:
-        from trl_runner.runner import train
+        from trl_runner.runner import train as run_side
+
+        def train(spec, out, progress):
+            return run_side(spec, out, rollout_source=replay, progress=progress, lockstep=replay is not None)
     from harness.runlog.stops import graceful_stop
 
     with graceful_stop():
@@ -110,6 +130,11 @@ def cmd_parity(args) -> int:
         raise InputError("parity needs --spec FILE (or --resume DIR)")
     else:
         spec = _load(args)
+    if args.matrix is None:
+        args.matrix = "none" if spec.loop.command else "default"
+    if spec.loop.command and args.matrix != "none":
+        raise InputError("--loop runs with --matrix none: the toggles vary TRL against the built-in loop, while your "
+                         "loop's differences from TRL are found by the explanation search")
     check_inputs(spec)
     from harness.diagnose.preflight import format_preflight, preflight
 
@@ -180,14 +205,18 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from harness.diagnose.compare import CompareInputError, compare_runs, format_comparison
+    """Two metric logs (or two sets of seeds), whoever wrote them; suspicions from the curves, nothing re-run."""
+    from harness.diagnose.attribution import _evidence
+    from harness.diagnose.compare import CompareInputError, compare_inputs, format_comparison, load_inputs, parse_map
 
     try:
-        result = compare_runs(args.run_a, args.run_b, mode=args.mode, dtype=args.dtype,
-                              tolerance_file=args.tolerances)
+        inputs = load_inputs(args.run_a, args.run_b, mapping=parse_map(args.map), align=args.align,
+                             steps_per_round=args.steps_per_round)
+        result = compare_inputs(inputs, mode=args.mode, dtype=args.dtype, tolerance_file=args.tolerances,
+                                evidence=_evidence)
     except CompareInputError as e:
         raise InputError(str(e)) from None
-    text = format_comparison(result, (Path(args.run_a).name or "A", Path(args.run_b).name or "B"), top=0)
+    text = format_comparison(result, inputs.names, top=0)
     print(text)
     if args.out:
         out = Path(args.out)
@@ -196,7 +225,8 @@ def cmd_compare(args) -> int:
         (out / "comparison.txt").write_text(text + "\n")
         from reports.render import write_compare_report
 
-        print(f"wrote {out / 'comparison.json'}; report: {write_compare_report(out, result)}")
+        report = write_compare_report(out, result, frames=(inputs.a, inputs.b))
+        print(f"wrote {out / 'comparison.json'}; report: {report}")
     return 0 if result["first_divergence"] is None else 1
 
 
@@ -273,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args(r)
     r.add_argument("--steps", type=int, help="override STEPS")
     r.add_argument("--processes", type=int, metavar="N", help="override PROCESSES (the TRL side's process count)")
+    r.add_argument("--rollouts", metavar="FILE", help="train on these recorded lockstep rollouts (a parity cell's "
+                                                      "rollouts.jsonl) instead of sampling")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
 
@@ -286,9 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--mode", choices=("lockstep", "free"), default="lockstep",
                     help="lockstep: both loops get the same rollouts (default); free: each samples its own, "
                          "several seeds per side")
-    pa.add_argument("--matrix", choices=("none", "default", "full"), default="default",
+    pa.add_argument("--matrix", choices=("none", "default", "full"), default=None,
                     help="none: the spec as given, one cell; default: each check toggled alone plus matched pairs; "
-                         "full: batch x loss_type x IS")
+                         "full: batch x loss_type x IS (default: default, or none with a loop of yours)")
+    pa.add_argument("--loop", metavar="CMD", help="your own GRPO loop's command, as a side of the run "
+                                                  "(docs/your-loop.md); same as [loop] command in the spec")
+    pa.add_argument("--against", choices=("trl", "scratch", "both"),
+                    help="what your loop is compared with (default trl; [loop] against)")
     pa.add_argument("--cells", metavar="NAME,NAME", help="run only these cells of the matrix (names as in the "
                                                          "verdict, e.g. matched,loss_type=dapo)")
     pa.add_argument("--processes", type=int, default=1, metavar="N",
@@ -305,13 +341,36 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args(pf, out_default=False)
     pf.set_defaults(func=cmd_preflight)
 
-    c = sub.add_parser("compare", help="compare two metric logs (harness runs or a TRL trainer_state.json)")
-    c.add_argument("run_a")
-    c.add_argument("run_b")
+    c = sub.add_parser("compare", help="compare two metric logs: harness runs, JSONL or CSV logs (W&B exports), TRL "
+                                       "trainer_state.json; several seeds per side in free mode",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description=(
+                           "Compare two metric logs step by step (exit 0 parity, 1 diverged, 2 bad input).\n\n"
+                           "Each of A and B is one run: a harness run folder (metrics.jsonl), a .jsonl or .csv log,\n"
+                           "or a TRL trainer_state.json; or several runs of one side (free-run seeds): RUN,RUN,...\n"
+                           "(an item may be a quoted glob, 'runs/a/*.csv'), or a folder of seed runs (seed-*/, as\n"
+                           "harness free runs write them). One run per side: lockstep tolerances; several: the\n"
+                           "free-run seed-noise statistic.\n\n"
+                           "Recognised without --map: TRL log_history keys, W&B columns (train/ prefix dropped;\n"
+                           "_runtime, _timestamp skipped), a step column named step, train/global_step,\n"
+                           "global_step, iteration or _step. A metric only one side logs is listed as not\n"
+                           "compared; a NaN or inf on either side is a divergence at that step."))
+    c.add_argument("run_a", metavar="A", help="run, RUN,RUN,... or a folder of seed-*/ runs")
+    c.add_argument("run_b", metavar="B", help="the same for the other side")
     c.add_argument("--out", help="write comparison.json and a report here")
-    c.add_argument("--mode", choices=("lockstep", "free"), default="lockstep")
+    c.add_argument("--mode", choices=("lockstep", "free"), default=None,
+                   help="lockstep: per-step tolerances, one run per side; free: seed-noise statistic, at least 2 "
+                        "seeds per side (default: by the number of runs given)")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), help="tolerances for this dtype (default: A's spec)")
     c.add_argument("--tolerances", help="tolerance file (default: harness/diagnose/tolerances.toml)")
+    c.add_argument("--map", action="append", default=[], metavar="OURS=THEIRS",
+                   help="read your column THEIRS as the harness/TRL metric OURS (both logs, where present); "
+                        "repeatable, e.g. --map loss=train_loss --map step=iter")
+    c.add_argument("--align", choices=("step", "round"), default="step",
+                   help="step: match rows by step number (default); round: by generation round, for a log per "
+                        "optimizer step against one per generation (a `round` column, else --steps-per-round)")
+    c.add_argument("--steps-per-round", metavar="K|KA,KB",
+                   help="with --align round: optimizer steps per generation round, for both logs or each (1: one "
+                        "row per round); rounds count from each log's first step, values averaged per round")
     c.set_defaults(func=cmd_compare)
 
     rec = sub.add_parser("record", help="record a golden lockstep reference (logs, rollouts, versions, commit)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("harness", "scratch_grpo", "trl_runner", "reports")
+PACKAGES = ("harness", "scratch_grpo", "trl_runner", "loop_runner", "reports")
 
 # stage of a module -> the stages it may import (itself included)
 STAGES = {
@@ -20,9 +20,10 @@ STAGES = {
     "rollouts": {"experiment", "runlog", "rollouts"},
     "scratch": {"experiment", "runlog", "rollouts", "scratch"},
     "trl": {"experiment", "runlog", "rollouts", "trl"},
-    "diagnose": {"experiment", "runlog", "rollouts", "scratch", "trl", "diagnose"},
-    "reports": {"experiment", "runlog", "rollouts", "scratch", "trl", "diagnose", "reports"},
-    "front": {"experiment", "runlog", "rollouts", "scratch", "trl", "diagnose", "reports", "front"},
+    "loop": {"experiment", "runlog", "rollouts", "loop"},
+    "diagnose": {"experiment", "runlog", "rollouts", "scratch", "trl", "loop", "diagnose"},
+    "reports": {"experiment", "runlog", "rollouts", "scratch", "trl", "loop", "diagnose", "reports"},
+    "front": {"experiment", "runlog", "rollouts", "scratch", "trl", "loop", "diagnose", "reports", "front"},
 }
 
 
@@ -32,11 +33,13 @@ def stage_of(module: str) -> str:
         return "scratch"
     if parts[0] == "trl_runner":
         return "trl"
+    if parts[0] == "loop_runner":
+        return "loop"
     if parts[0] == "reports":
         return "reports"
     if len(parts) > 1 and parts[1] in ("experiment", "runlog", "rollouts", "diagnose"):
         return parts[1]
-    return "front"  # harness.cli, harness.pytest_plugin, harness.bench, harness.record, harness.__main__
+    return "front"  # harness.cli, pytest_plugin, bench, record, loop (your loop's helpers), __main__
 
 
 def all_modules() -> dict[str, Path]:

@@ -61,10 +61,10 @@ def test_a_difference_without_effect_is_reported_not_hidden(tmp_path):
 def test_a_failing_cell_does_not_sink_the_matrix(tmp_path, monkeypatch):
     real = M.run_pair
 
-    def flaky(spec, out_dir, mode="lockstep", progress=False):
+    def flaky(spec, out_dir, mode="lockstep", progress=False, **kwargs):
         if spec.LOSS_NORM == "token_local":
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real(spec, out_dir, mode, progress)
+        return real(spec, out_dir, mode, progress, **kwargs)
 
     monkeypatch.setattr(M, "run_pair", flaky)
     doc = M.run_matrix(small_spec("STEPS=2"), tmp_path, "default", log=lambda *_: None,

@@ -49,6 +49,8 @@ def _evidence(check: str, result: dict) -> str | None:
 
 def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log) -> list[dict]:
     """Name the cause of a divergence and confirm it by re-running with only that difference aligned."""
+    if "yours" in getattr(cell, "sides", ()):
+        return _attribute_your_loop(cell, result, cell_dir, mode, log)
     _tr, diffs, _facts = preflight(cell.spec)
     checks = []
     for d in diffs:
@@ -86,3 +88,19 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
                     "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"})
     out.sort(key=lambda e: e["status"] != "confirmed")
     return out
+
+
+def _attribute_your_loop(cell, result: dict, cell_dir: Path, mode: str, log) -> list[dict]:
+    """Your loop against TRL: the preflight cannot see inside your loop, so search TRL's settings for it instead."""
+    if result["first_divergence"] is None:
+        return []
+    if mode != "lockstep" or "trl" not in cell.sides:
+        hint = [f"{c}: {e}" for c in CHECK_ORDER if (e := _evidence(c, result))]
+        text = ("the explanation search needs lockstep mode against TRL (the same rollouts on both sides); "
+                + ("; ".join(hint) if hint else "run --mode lockstep --against trl"))
+        return [{"cause": "your loop", "status": "suspected", "fields": [], "evidence": text,
+                 "fix": {"trl": {}, "scratch": {}, "sentence": text}}]
+    from harness.diagnose.explain import explain
+
+    log("    explaining your loop in TRL's terms (re-running TRL on the same rollouts)")
+    return [explain(cell.spec, cell_dir, result, log)]

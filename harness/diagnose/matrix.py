@@ -21,6 +21,7 @@ from pathlib import Path
 from harness.diagnose.attribution import attribute
 from harness.diagnose.pairs import run_pair
 from harness.diagnose.preflight import apply_alignment, preflight
+from loop_runner.run import LoopError
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
@@ -34,6 +35,7 @@ class Cell:
     spec: object
     expected: str  # "parity" | "diverged"
     expected_cause: str | None = None
+    sides: tuple = ("scratch", "trl")  # the pair compared; ("yours", "trl") for a user's loop
 
 
 def _variant(base, trl: dict | None = None, **changes):
@@ -62,6 +64,13 @@ def build_cells(base, matrix: str, processes: int = 1) -> list[Cell]:
 
 
 def _build_cells(base, matrix: str) -> list[Cell]:
+    if base.loop.command:  # your loop against TRL and/or the scratch loop: the harness cannot see inside it
+        if matrix != "none":
+            raise ValueError("--loop: a loop of yours runs with --matrix none (its differences from TRL are found by "
+                             "the explanation search, not by toggles)")
+        against = ("trl", "scratch") if base.loop.against == "both" else (base.loop.against,)
+        return [Cell(f"yours-vs-{other}", {"against": other}, base, "parity", None, ("yours", other))
+                for other in against]
     if matrix == "none":
         _tr, diffs, _facts = preflight(base)
         return [Cell("as-given", {}, base, "diverged" if diffs else "parity",
@@ -131,15 +140,18 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
     v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
          "expected_cause": cell.expected_cause}
     try:
-        result = run_pair(cell.spec, cell_dir, mode, progress)
+        result = run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides)
+        v["sides"] = list(cell.sides)
         v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
         v["first_divergence"] = result["first_divergence"]
         details = attribute(cell, result, cell_dir, mode, progress, log)
         v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
         v["attribution_detail"] = details
         v["metrics"] = _summary_metrics(result)
-        v["only_in"] = {"scratch": result["only_in_a"], "trl": result["only_in_b"]}
+        v["only_in"] = {cell.sides[0]: result["only_in_a"], cell.sides[1]: result["only_in_b"]}
         v["notes"] = result["notes"]
+    except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
+        v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
     except Exception as e:  # one failing cell never takes the others down
         v.update(verdict="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
                  first_divergence=None, attribution=[], metrics={})
@@ -262,8 +274,8 @@ def _cause(v: dict) -> str | None:
 
 def _cell_line(v: dict) -> str:
     mark = "ok " if v["ok"] else "BAD"
-    if v["verdict"] == "failed":
-        return f"{mark} failed: {v['error']}"
+    if v["verdict"] in ("failed", "error"):
+        return f"{mark} {v['verdict']}: {v['error']}"
     fd = v.get("first_divergence")
     where = f" at step {fd['step']} ({fd['metric']})" if fd else ""
     cause = f"; cause: {_cause(v)}" if _cause(v) else ""
@@ -278,7 +290,7 @@ def format_verdict(doc: dict) -> str:
     for v in doc["cells"]:
         fd = v.get("first_divergence")
         fd_s = f"step {fd['step']} {fd['metric']}" if fd else "-"
-        cause = v["error"][:60] if v["verdict"] == "failed" else (_cause(v) or "-")
+        cause = v["error"][:60] if v["verdict"] in ("failed", "error") else (_cause(v) or "-")
         lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
                      + ("" if v["ok"] else "   <- not as expected"))
     head = headline(doc)
@@ -307,14 +319,17 @@ def headline(doc: dict) -> dict:
     if len(cells) == 1:
         c = cells[0]
         fd = c.get("first_divergence")
-        if c.get("verdict") == "failed":
+        if c.get("verdict") in ("failed", "error"):
             return {"sentence": f"The run could not finish: {c.get('error')}", "items": []}
         if not fd:
             return {"sentence": f"The two loops agree on every step within tolerance ({doc.get('mode')} mode).",
                     "items": []}
         why = _fix_sentence(c)
         sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
-        if any(d.get("status") == "confirmed" for d in c.get("attribution_detail") or []):
+        confirmed = any(d.get("status") == "confirmed" for d in c.get("attribution_detail") or [])
+        if confirmed and "yours" in c.get("sides", ()):
+            sentence += " Re-running TRL on the same rollouts with other settings found what your loop does:"
+        elif confirmed:
             sentence += " The cause, confirmed by a re-run with only it aligned:"
         if why:
             items.append(why[0].upper() + why[1:] + ".")
@@ -333,8 +348,8 @@ def headline(doc: dict) -> dict:
         return {"sentence": sentence, "items": list(dict.fromkeys(items))}
     sentence = f"{len(surprises)} of {len(cells)} cells are not as expected:"
     for c in surprises:
-        if c.get("verdict") == "failed":
-            items.append(f"{c['name']} failed: {c.get('error')}")
+        if c.get("verdict") in ("failed", "error"):
+            items.append(f"{c['name']}: {c['verdict']}: {c.get('error')}")
             continue
         fd = c.get("first_divergence")
         where = f" at step {fd['step']} on {fd['metric']}" if fd else ""

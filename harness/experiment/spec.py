@@ -115,6 +115,24 @@ class SamplerSpec:
 
 
 # ----------------------------------------------------------------------------------------------
+# [loop]: your own GRPO loop as a side (docs/your-loop.md)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class LoopSpec:
+    command: str = _f("", "Your loop's command line, run through the shell (e.g. \"python my_grpo.py\"); empty: no "
+                      "loop of yours. `parity --loop CMD` sets it. It reads PARITY_INIT, PARITY_SPEC, PARITY_ROLLOUTS "
+                      "(lockstep), PARITY_SEED and writes PARITY_METRICS (and optionally PARITY_WEIGHTS_OUT).")
+    against: str = _f("trl", "What your loop is compared with: `trl`, `scratch` (the built-in loop) or `both`.",
+                      choices=("trl", "scratch", "both"))
+    cwd: str = _f("", "Folder the command runs in (relative to the spec file; empty: the folder `python -m harness` "
+                  "was started from).")
+    timeout_s: float = _f(3600.0, "Seconds one run of your loop may take before it is stopped and called an error.",
+                          min=1.0)
+    metrics: dict = _f({}, "Your metric names, mapped to the harness's: {harness_name = \"your_name\"}, e.g. "
+                       "{reward = \"mean_reward\", grad_norm = \"gnorm\"}. Unmapped names are taken as they are.")
+
+
+# ----------------------------------------------------------------------------------------------
 # the spec
 # ----------------------------------------------------------------------------------------------
 @dataclass
@@ -206,6 +224,7 @@ class Spec:
     data: DataSpec = field(default_factory=DataSpec, metadata={"help": "The prompts."})
     rewards: RewardsSpec = field(default_factory=RewardsSpec, metadata={"help": "Reward functions and weights."})
     sampler: SamplerSpec = field(default_factory=SamplerSpec, metadata={"help": "Who draws completions."})
+    loop: LoopSpec = field(default_factory=LoopSpec, metadata={"help": "Your own GRPO loop as a side of the run."})
     trl: dict = field(default_factory=dict, metadata={
         "help": "Overrides of GRPOConfig fields for the TRL side, applied after the translation; checked against "
                 "the installed TRL before any model loads."})
@@ -223,7 +242,7 @@ class Spec:
         return dataclasses.asdict(self)
 
 
-_TABLES = {"model": ModelSpec, "data": DataSpec, "rewards": RewardsSpec, "sampler": SamplerSpec}
+_TABLES = {"model": ModelSpec, "data": DataSpec, "rewards": RewardsSpec, "sampler": SamplerSpec, "loop": LoopSpec}
 
 
 def _type_name(tp) -> str:
@@ -310,6 +329,9 @@ def _cross_checks(spec: Spec) -> None:
     for i, w in enumerate(spec.rewards.weights):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise SpecError(f"rewards.weights[{i}]", f"must be a finite number, got {w!r}")
+    for ours, theirs in spec.loop.metrics.items():
+        if not isinstance(theirs, str) or not theirs:
+            raise SpecError(f"loop.metrics.{ours}", f"must be the name your loop logs (a string), got {theirs!r}")
     if not spec.rewards.functions:
         raise SpecError("rewards.functions", "needs at least one reward function")
     for i, op in enumerate(spec.data.operations):
@@ -357,6 +379,10 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
     for item in overrides or []:
         apply_override(raw, item)
     _anchor_reward_files(raw, path.parent)
+    loop = raw.get("loop")
+    if isinstance(loop, dict) and isinstance(loop.get("cwd"), str) and loop["cwd"] and \
+            not Path(loop["cwd"]).expanduser().is_absolute():
+        loop["cwd"] = str((path.parent / Path(loop["cwd"]).expanduser()).resolve())
     return parse_spec(raw, str(path))
 
 

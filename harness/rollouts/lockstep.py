@@ -102,3 +102,42 @@ class ReplaySource:
             self.broken_rounds.append(round_idx)
             return self.fallback.sample(round_idx, prompt_ids, policy)
         return rec["completion_ids"], rec.get("logprobs")
+
+
+def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
+    """The rollouts as your own loop reads them (PARITY_ROLLOUTS): per round, beside the token ids and the sampler's
+    log-probs, the prompts as chat messages, the data set rows, the completion texts and each reward function's
+    score of each completion (scored by the same functions both built-in sides call)."""
+    from harness.experiment.data import encode_prompts, load_rows, prompt_schedule, to_prompt_rows
+    from harness.experiment.models import checkpoint_dir, load_tokenizer
+    from harness.experiment.rewards import check_rewards, reward_functions
+
+    tokenizer = load_tokenizer(checkpoint_dir(spec))
+    rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+    schedule = prompt_schedule(len(rows), len(records), spec.PROMPTS_PER_STEP, spec.SEED)
+    fns = reward_functions(spec)
+    path = Path(path)
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for rec in records:
+            r = rec["round"]
+            group = [rows[i] for i in schedule[r] for _ in range(spec.GROUP_SIZE)]
+            expected = encode_prompts(tokenizer, [row["prompt"] for row in group], spec.MAX_PROMPT_TOKENS)
+            if expected != [list(p) for p in rec["prompt_ids"]]:
+                raise RuntimeError(f"lockstep round {r}: the recorded prompts are not the shared schedule's")
+            texts = tokenizer.batch_decode(rec["completion_ids"], skip_special_tokens=True)
+            columns = {k: [row[k] for row in group] for k in group[0] if k != "prompt"}
+            rewards = {}
+            for fn in fns:
+                out = fn(prompts=[row["prompt"] for row in group],
+                         completions=[[{"role": "assistant", "content": t}] for t in texts],
+                         completion_ids=rec["completion_ids"], log_metric=lambda *a, **k: None,
+                         log_extra=lambda *a, **k: None, trainer_state=None, **columns)
+                rewards[fn.__name__] = [None if v != v else v for v in check_rewards(fn.__name__, out, len(texts))]
+            fh.write(json.dumps({
+                "round": r, "prompts": [row["prompt"] for row in group], "prompt_ids": rec["prompt_ids"],
+                "rows": [{k: v for k, v in row.items() if k != "prompt"} for row in group],
+                "completions": texts, "completion_ids": rec["completion_ids"], "logprobs": rec.get("logprobs"),
+                "rewards": rewards, "reward_weights": list(spec.rewards.weights)}) + "\n")
+    tmp.replace(path)
+    return path

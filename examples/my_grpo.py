@@ -1,0 +1,136 @@
+"""A hand-written GRPO loop of the kind people write before they move to TRL: plain transformers, its own
+generate call, its own advantages and loss. The lines marked `# parity:` are the change that lets the harness
+run it as a side of a parity run (docs/your-loop.md walks through them):
+
+    python -m harness parity --spec harness/specs/default.toml --loop "python examples/my_grpo.py" --matrix none
+
+Its choices are flags, so you can see what the harness says when they differ from TRL's:
+    --loss-agg seq|token     mean per completion, then over completions (the GRPO paper), or over all tokens
+    --adv-scale std|none     divide the group-centred rewards by the group's std, or not (Dr. GRPO)
+    --std bessel|population  the std estimator (TRL: Bessel's n-1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from harness import loop as parity  # parity: the contract's helpers (standard library only)
+
+p = argparse.ArgumentParser()
+p.add_argument("--loss-agg", choices=("seq", "token"), default="seq")
+p.add_argument("--adv-scale", choices=("std", "none"), default="std")
+p.add_argument("--std", choices=("bessel", "population"), default="bessel")
+p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
+args = p.parse_args()
+
+# ---- hyperparameters: the harness's spec when it runs us, our own defaults otherwise -------------------------
+cfg = parity.spec()  # parity
+STEPS = cfg.get("STEPS", 100)
+PROMPTS, G, ACCUM = cfg.get("PROMPTS_PER_STEP", 8), cfg.get("GROUP_SIZE", 8), cfg.get("GRAD_ACCUM", 4)
+LR, BETAS, EPS = cfg.get("LR", 1e-6), (cfg.get("ADAM_BETA1", 0.9), cfg.get("ADAM_BETA2", 0.99)), cfg.get("ADAM_EPS", 1e-8)
+CLIP_LOW, CLIP_HIGH = cfg.get("CLIP_LOW", 0.2), cfg.get("CLIP_HIGH", 0.28)
+TEMPERATURE, MAX_TOKENS = cfg.get("TEMPERATURE", 1.0), cfg.get("MAX_TOKENS", 512)
+MAX_GRAD_NORM = cfg.get("MAX_GRAD_NORM", 1.0)
+LINEAR_LR = cfg.get("LR_SCHEDULE", "constant") == "linear"
+
+torch.manual_seed(parity.seed(42))  # parity: the run's seed
+path = parity.init_dir(args.model)  # parity: the weights every side starts from
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(path)
+eos = model.generation_config.eos_token_id
+eos = set(eos if isinstance(eos, list) else [eos])
+opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+
+
+def pad(seqs, value, left):
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols], mask[i, cols] = torch.tensor(s, dtype=torch.long), 1
+    return ids, mask
+
+
+def sample_round(r):
+    """Free runs: our own prompts, sampling and rewards (here the harness's data and reward functions stand in
+    for a user's own)."""
+    from harness.experiment.data import encode_prompts, load_rows, prompt_schedule, to_prompt_rows
+    from harness.experiment.rewards import reward_functions
+    from harness.experiment.spec import parse_spec
+
+    spec = parse_spec({k: v for k, v in cfg.items() if k != "derived"})
+    rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
+    group = [rows[i] for i in prompt_schedule(len(rows), r + 1, PROMPTS, spec.SEED)[r] for _ in range(G)]
+    prompt_ids = encode_prompts(tok, [row["prompt"] for row in group], spec.MAX_PROMPT_TOKENS)
+    ids, mask = pad(prompt_ids, tok.pad_token_id, left=True)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE, top_p=1.0,
+                             top_k=0, max_new_tokens=MAX_TOKENS, pad_token_id=tok.pad_token_id)
+    completion_ids = []
+    for row in out[:, ids.size(1):].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        completion_ids.append(row[:end])
+    texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+    columns = {k: [row[k] for row in group] for k in group[0] if k != "prompt"}
+    scores = {fn.__name__: fn(prompts=[row["prompt"] for row in group], completions=[[{"role": "assistant",
+              "content": t}] for t in texts], completion_ids=completion_ids, **columns) for fn in reward_functions(spec)}
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "rewards": scores,
+            "reward_weights": list(spec.rewards.weights)}
+
+
+for step in range(STEPS):
+    # ---- 1. a round of completions: the harness's (lockstep) or our own ------------------------------------
+    model.eval()
+    batch = parity.rollout(step) or sample_round(step)  # parity: lockstep rollouts when the harness gives them
+    model.train()
+    per_func = torch.tensor([[math.nan if v is None else v for v in vals] for vals in batch["rewards"].values()])
+    rewards = (per_func.T * torch.tensor(batch["reward_weights"])).nansum(dim=1)  # a failed score counts 0
+
+    # ---- 2. advantages: centred per group of G completions, scaled by the group's std ------------------------
+    grouped = rewards.view(-1, G)
+    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    if args.adv_scale == "std":
+        adv = adv / (grouped.std(dim=1, keepdim=True, unbiased=args.std == "bessel") + 1e-4)
+    adv = adv.reshape(-1)
+
+    # ---- 3. the clipped surrogate over ACCUM micro-batches, one optimizer step -------------------------------
+    prompt_ids, prompt_mask = pad(batch["prompt_ids"], tok.pad_token_id, left=True)
+    completion_ids, completion_mask = pad(batch["completion_ids"], tok.pad_token_id, left=False)
+    n, P = len(adv), prompt_ids.size(1)
+    all_tokens = completion_mask.sum().clamp(min=1)
+    lr = LR * (1 - step / STEPS) if LINEAR_LR else LR
+    for group in opt.param_groups:
+        group["lr"] = lr
+    step_loss = 0.0
+    for s in range(0, n, n // ACCUM):
+        mb = slice(s, s + n // ACCUM)
+        ids = torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1)
+        attention = torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
+        logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+        logp = logp.gather(-1, completion_ids[mb].unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())  # one pass per round: the old policy is the current one
+        a = adv[mb].unsqueeze(1)
+        per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
+        mask = completion_mask[mb].float()
+        if args.loss_agg == "seq":
+            loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / ACCUM
+        else:
+            loss = (per_token * mask).sum() / all_tokens
+        loss.backward()
+        step_loss += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM if MAX_GRAD_NORM > 0 else math.inf)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    lengths = completion_mask.sum(1).float()
+    print(f"step {step + 1}: loss {step_loss:.4f} reward {rewards.nanmean():.3f} length {lengths.mean():.1f}")
+    parity.log_step(step + 1, loss=step_loss, grad_norm=grad_norm, learning_rate=lr,  # parity: one line per step
+                    reward=rewards.nanmean(), reward_std=rewards.std(), **{"completions/mean_length": lengths.mean()})
+
+parity.save_weights(model)  # parity: the final weights, for the distance to the other side

@@ -1,0 +1,114 @@
+"""Your own GRPO loop as a side of a parity run: the contract's helpers, in the standard library only.
+
+The harness runs your loop's command with these environment variables (docs/your-loop.md):
+
+    PARITY_INIT         folder with the starting weights and tokenizer (`from_pretrained(PARITY_INIT)`)
+    PARITY_SPEC         the resolved experiment spec, as JSON (batch sizes, learning rate, loss settings, ...)
+    PARITY_ROLLOUTS     lockstep only: rollouts.jsonl, one line per generation round, to train on instead of sampling
+    PARITY_SEED         the seed of this run (free runs: one run per seed)
+    PARITY_METRICS      where to append one JSON line per optimizer step: at least `step` and `loss`
+    PARITY_WEIGHTS_OUT  optional: `save_pretrained` your final weights here, and the report shows the distance
+
+A typical loop changes in about ten lines:
+
+    from harness import loop as parity
+
+    spec = parity.spec()                     # {} when run outside the harness
+    for step, batch in enumerate(...):
+        rollout = parity.rollout(round_idx)  # lockstep: this round's prompts, completions, rewards (else None)
+        ...
+        parity.log_step(step + 1, loss=loss.item(), grad_norm=gn, reward=mean_reward)
+    parity.save_weights(model)
+
+Importing this module pulls in no torch, numpy or transformers: a loop in another framework can use it, and a
+loop in another language can meet the same contract by reading and writing the files directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import lru_cache
+
+ENV = ("PARITY_INIT", "PARITY_SPEC", "PARITY_ROLLOUTS", "PARITY_SEED", "PARITY_METRICS", "PARITY_WEIGHTS_OUT")
+
+
+def active() -> bool:
+    """True when the harness started this process (PARITY_METRICS is set)."""
+    return bool(os.environ.get("PARITY_METRICS"))
+
+
+def init_dir(default: str | None = None) -> str | None:
+    """The checkpoint folder every side starts from (config, weights, tokenizer)."""
+    return os.environ.get("PARITY_INIT") or default
+
+
+def seed(default: int = 0) -> int:
+    value = os.environ.get("PARITY_SEED")
+    return int(value) if value else default
+
+
+@lru_cache(maxsize=1)
+def spec() -> dict:
+    """The resolved spec: the TOML fields (STEPS, PROMPTS_PER_STEP, GROUP_SIZE, GRAD_ACCUM, LR, ...) plus
+    `derived` (sequences_per_step, micro_batch_size, rounds); {} outside the harness."""
+    path = os.environ.get("PARITY_SPEC")
+    if not path:
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@lru_cache(maxsize=1)
+def rollouts() -> list[dict] | None:
+    """Every round of the lockstep rollouts (None in free mode: sample yourself). Each round holds `round`,
+    `prompts` (chat messages), `prompt_ids`, `rows` (the data set rows: `answer`, ...), `completions` (texts),
+    `completion_ids`, `logprobs` (the sampler's per-token log-probs, or null) and `rewards`
+    ({function name: [score per completion]}), completions grouped by prompt (GROUP_SIZE in a row)."""
+    path = os.environ.get("PARITY_ROLLOUTS")
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def rollout(round_idx: int) -> dict | None:
+    """Round `round_idx` (0-based) of the lockstep rollouts, or None when there are none (free mode)."""
+    rounds = rollouts()
+    if rounds is None:
+        return None
+    if not 0 <= round_idx < len(rounds):
+        raise IndexError(f"lockstep rollouts hold rounds 0..{len(rounds) - 1}; round {round_idx} was asked for")
+    return rounds[round_idx]
+
+
+def log_step(step: int, **metrics) -> None:
+    """Append one optimizer step's metrics to PARITY_METRICS (a no-op outside the harness). Values must be
+    numbers (or None); use the harness's names (`loss`, `grad_norm`, `reward`, `reward_std`, `kl`, `entropy`,
+    `learning_rate`, `completions/mean_length`, ...) or map yours in the spec's [loop.metrics]."""
+    path = os.environ.get("PARITY_METRICS")
+    if not path:
+        return
+    row = {"step": int(step)}
+    for key, value in metrics.items():
+        if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = str(value)  # JSON has no nan/inf: the harness reads "nan"/"inf" back as a divergence
+        row[key] = value
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def weights_out() -> str | None:
+    return os.environ.get("PARITY_WEIGHTS_OUT") or None
+
+
+def save_weights(model) -> None:
+    """`model.save_pretrained(PARITY_WEIGHTS_OUT)` when the harness asked for the final weights."""
+    path = weights_out()
+    if path:
+        model.save_pretrained(path)

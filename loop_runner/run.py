@@ -1,0 +1,169 @@
+"""Run a user's GRPO loop (any command, any language) as a side of a parity run, and turn what it logs into the
+harness's metric log.
+
+Before the command starts, its run folder gets `spec.json` (the resolved spec) and the loop's environment names
+the starting checkpoint, the spec, the lockstep rollouts (lockstep only), the seed, the metric file it appends to
+and where it may save its final weights (harness/loop.py lists them; docs/your-loop.md walks through them).
+After it exits, every line it wrote is checked (a JSON object with an integer `step` and a numeric `loss`;
+other values numbers or null), mapped to the harness's names with `[loop.metrics]`, and written to the run's
+`metrics.jsonl`. A loop that crashes, hangs past `loop.timeout_s`, writes nothing or writes a bad line raises
+`LoopError` naming the line and what is wrong; its stdout and stderr stay in the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RAW_METRICS = "loop_metrics.jsonl"
+WEIGHTS_DIR = "weights"
+STDOUT, STDERR = "stdout.log", "stderr.log"
+
+
+class LoopError(RuntimeError):
+    """Your loop did not finish as the contract asks; the message says where and what."""
+
+
+def spec_json(spec) -> dict:
+    """The spec as your loop reads it (PARITY_SPEC): every field, plus the quantities derived from them."""
+    return {**spec.to_dict(), "derived": {
+        "sequences_per_step": spec.sequences_per_step, "micro_batch_size": spec.micro_batch_size,
+        "rounds": math.ceil(spec.STEPS / spec.NUM_ITERATIONS)}}
+
+
+def _tail(path: Path, lines: int = 1) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def read_loop_metrics(path: Path, names: dict[str, str]) -> list[dict]:
+    """The lines your loop wrote, checked and mapped to the harness's names; LoopError at the first bad line."""
+    if not path.exists() or not path.read_text().strip():
+        raise LoopError(f"your loop wrote no metrics to PARITY_METRICS ({path}): append one JSON line per optimizer "
+                        "step, at least {\"step\": 1, \"loss\": 0.12} (harness.loop.log_step does it)")
+    theirs_to_ours = {theirs: ours for ours, theirs in names.items()}
+    rows, last = [], 0
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{n}"
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LoopError(f"{where}: not JSON ({e.msg}): {line[:120]!r}") from None
+        if not isinstance(raw, dict):
+            raise LoopError(f"{where}: a line must be a JSON object, got {type(raw).__name__}: {line[:120]!r}")
+        row = {}
+        for key, value in raw.items():
+            key = theirs_to_ours.get(key, key)
+            if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+                value = float(value)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise LoopError(f"{where}: {key!r} must be a number or null, got {type(value).__name__} "
+                                f"{value!r}" + ("" if key != "step" else "; step is the optimizer step, 1, 2, ..."))
+            row[key] = value
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise LoopError(f"{where}: no integer \"step\" (the optimizer step, starting at 1): {line[:120]!r}"
+                            + ("; map your step column with [loop.metrics] step = \"...\"" if "step" not in raw else ""))
+        if step <= last:
+            raise LoopError(f"{where}: step {step} after step {last}: steps must increase, one line per optimizer step")
+        if not isinstance(row.get("loss"), (int, float)):
+            raise LoopError(f"{where}: no numeric \"loss\"" + (f" (keys: {', '.join(raw)}); map yours with "
+                                                              "[loop.metrics] loss = \"your_name\""))
+        if not math.isfinite(row["loss"]):
+            raise LoopError(f"{where}: your loop logged a non-finite loss ({row['loss']}) at step {step}")
+        last = step
+        rows.append(row)
+    return rows
+
+
+def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = False, log=print) -> Path:
+    """Run `spec.loop.command` once (seed spec.SEED) into `out_dir`; returns the run folder. Raises LoopError."""
+    from harness.experiment.models import checkpoint_dir, resolve_device
+    from harness.runlog.log import RunWriter
+
+    command = spec.loop.command
+    if not command:
+        raise LoopError("no loop command: pass --loop \"CMD\" or set [loop] command in the spec")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = checkpoint_dir(spec)
+    (out_dir / "spec.json").write_text(json.dumps(spec_json(spec), indent=2) + "\n")
+    raw_path = out_dir / RAW_METRICS
+    raw_path.write_text("")
+    weights = out_dir / WEIGHTS_DIR
+    env = {**os.environ, "PARITY_INIT": str(ckpt), "PARITY_SPEC": str((out_dir / "spec.json").resolve()),
+           "PARITY_SEED": str(spec.SEED), "PARITY_METRICS": str(raw_path.resolve()),
+           "PARITY_WEIGHTS_OUT": str(weights.resolve())}
+    env.pop("PARITY_ROLLOUTS", None)
+    # `python` in the command is the interpreter the harness runs under (its venv), found first on PATH
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    if rollouts is not None:
+        env["PARITY_ROLLOUTS"] = str(Path(rollouts).resolve())
+    cwd = spec.loop.cwd or os.getcwd()
+    extra = {"loop_command": command, "loop_cwd": cwd, "checkpoint": str(ckpt),
+             "rollouts": "external (lockstep)" if rollouts is not None else "own"}
+    with RunWriter(out_dir, "yours", spec, resolve_device(spec), extra) as writer:
+        t0 = time.perf_counter()
+        with open(out_dir / STDOUT, "w") as so, open(out_dir / STDERR, "w") as se:
+            proc = subprocess.Popen(command, shell=True, cwd=cwd, env=env, stdout=so, stderr=se,
+                                    start_new_session=True)  # its own process group: a timeout stops all of it
+            try:
+                rc = proc.wait(timeout=spec.loop.timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise LoopError(f"your loop ran past loop.timeout_s = {spec.loop.timeout_s:g} s and was stopped; "
+                                f"last output: {_tail(out_dir / STDERR) or _tail(out_dir / STDOUT) or '(none)'}")
+            except BaseException:  # Ctrl-C: take the loop down with us
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+        if rc != 0:
+            raise LoopError(f"your loop exited with status {rc}: {_tail(out_dir / STDERR) or '(no stderr)'} "
+                            f"(full output: {out_dir / STDERR})")
+        rows = read_loop_metrics(raw_path, spec.loop.metrics)
+        wall = (time.perf_counter() - t0) / len(rows)
+        for row in rows:
+            writer.log_step({**row, "wall_s": row.get("wall_s", wall)})
+        writer.update(weights_saved=(weights / "config.json").exists())
+        if progress:
+            log(f"yours: {len(rows)} steps in {time.perf_counter() - t0:.1f} s")
+    return out_dir
+
+
+def final_weights_distance(yours: Path, other: Path, seed: int) -> tuple[int, float] | None:
+    """(step, ||w_yours - w_other|| / ||w_other||) at your last step, from the weights your loop saved and the other
+    side's parameter sketch of that step; None when your loop saved none or the other side recorded none."""
+    from harness.experiment.models import load_model
+    from harness.runlog.log import read_metrics
+    from harness.runlog.params import ParamSketch, read_sketch
+
+    weights = Path(yours) / WEIGHTS_DIR
+    other_sketch = read_sketch(other)
+    if not (weights / "config.json").exists() or other_sketch is None:
+        return None
+    rows, _problems = read_metrics(Path(yours) / "metrics.jsonl")
+    step = rows[-1]["step"] if rows else 0
+    if not 1 <= step <= len(other_sketch[0]):
+        return None
+    model = load_model(weights, "float32", "cpu")
+    sketch = ParamSketch(model, Path(yours), seed=seed)
+    sketch.record(model)
+    mine = read_sketch(yours)
+    if mine is None or mine[1]["width"] != other_sketch[1]["width"]:
+        return None
+    import numpy as np
+
+    a, b = mine[0][-1].astype(np.float64), other_sketch[0][step - 1].astype(np.float64)
+    return step, float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
