@@ -121,3 +121,21 @@ def test_run_replays_a_rollout_file(tmp_path):
                           str(tmp_path / "pair" / "as-given" / "trl"), "--out", str(tmp_path / "cmp")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert cmp.returncode == 0 and "parity" in cmp.stdout, cmp.stdout + cmp.stderr
+
+
+def test_the_docs_commands_run_as_written(tmp_path):
+    """docs/your-loop.md: every `$ python -m harness ...` line runs from the repository root with the exit code
+    its comment states (output folders moved under tmp_path)."""
+    import re
+    import shlex
+
+    doc = (ROOT / "docs" / "your-loop.md").read_text()
+    commands = re.findall(r"^\$ (python -m harness .+?)\s+# exit (\d)$", doc, flags=re.M)
+    assert len(commands) == 4
+    for line, code in commands:
+        argv = shlex.split(line.replace("runs/", f"{tmp_path}/"))
+        argv = [sys.executable if a == "python" else a for a in argv]
+        argv = [a.replace("python examples/", f"{sys.executable} examples/") for a in argv]
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == int(code), f"{line}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
+    assert (tmp_path / "my-loop-2" / "your_loop_in_trl.toml").exists()
