@@ -36,6 +36,9 @@ CLIP_LOW, CLIP_HIGH = cfg.get("CLIP_LOW", 0.2), cfg.get("CLIP_HIGH", 0.28)
 TEMPERATURE, MAX_TOKENS = cfg.get("TEMPERATURE", 1.0), cfg.get("MAX_TOKENS", 512)
 MAX_GRAD_NORM = cfg.get("MAX_GRAD_NORM", 1.0)
 LINEAR_LR = cfg.get("LR_SCHEDULE", "constant") == "linear"
+if cfg.get("STEPS_PER_GENERATION", 1) != 1 or cfg.get("NUM_ITERATIONS", 1) != 1:
+    raise SystemExit("this example takes one optimizer step per generation round: STEPS_PER_GENERATION and "
+                     "NUM_ITERATIONS must be 1")
 
 torch.manual_seed(parity.seed(42))  # parity: the run's seed
 path = parity.init_dir(args.model)  # parity: the weights every side starts from

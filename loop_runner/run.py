@@ -34,7 +34,7 @@ def spec_json(spec) -> dict:
     """The spec as your loop reads it (PARITY_SPEC): every field, plus the quantities derived from them."""
     return {**spec.to_dict(), "derived": {
         "sequences_per_step": spec.sequences_per_step, "micro_batch_size": spec.micro_batch_size,
-        "rounds": math.ceil(spec.STEPS / spec.NUM_ITERATIONS)}}
+        "rounds": spec.rounds}}
 
 
 def _tail(path: Path, lines: int = 1) -> str:

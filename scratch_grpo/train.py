@@ -85,8 +85,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
     prompt_tokens = encode_prompts(tokenizer, [r["prompt"] for r in rows], spec.MAX_PROMPT_TOKENS)
     G, P, GA, mu = spec.GROUP_SIZE, spec.PROMPTS_PER_STEP, spec.GRAD_ACCUM, spec.NUM_ITERATIONS
-    rounds = math.ceil(spec.STEPS / mu)  # one generation round feeds mu optimizer steps
-    schedule = prompt_schedule(len(rows), rounds, P, spec.SEED)
+    S = spec.STEPS_PER_GENERATION  # optimizer steps per generation round (each on its own slice of the round)
+    rounds = spec.rounds  # one generation round feeds S x mu optimizer steps
+    schedule = prompt_schedule(len(rows), rounds, P * S, spec.SEED)
     reward_names = list(spec.rewards.functions)
     reward_fns = reward_functions(spec)  # built-in, or the user's own: the objects TRL's side calls too
     reward_w = torch.tensor(spec.rewards.weights, dtype=torch.float32)
@@ -163,9 +164,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
             if spec.MASK_TRUNCATED:
                 c_mask = c_mask * (~truncated).unsqueeze(1).long()
             p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
-            step_tokens = float(c_mask.sum())  # active tokens of the whole step (token_global's denominator)
+            # token_global's denominator: the active tokens of one step's share of the round (TRL: num_items_in_batch
+            # of the generation batch x gradient_accumulation_steps / steps_per_generation)
+            step_tokens = float(c_mask.sum()) / S
             generated_tokens = sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
-            mb_size = N // GA
+            mb_size = N // (GA * S)
 
             def no_grad_logps(net):
                 with torch.no_grad(), autocast_for(device, spec.DTYPE):
@@ -173,7 +176,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                                                          c_ids[s:s + mb_size], c_mask[s:s + mb_size],
                                                          spec.TEMPERATURE)[0] for s in range(0, N, mb_size)])
 
-            need_old = spec.LOGP_OLD == "forward" or mu > 1 or spec.IS_CORRECTION
+            need_old = spec.LOGP_OLD == "forward" or mu > 1 or S > 1 or spec.IS_CORRECTION
             logp_old = no_grad_logps(model) if need_old else None
             ref_logps = no_grad_logps(ref_model) if ref_model is not None else None
             is_w, mismatch = None, {}
@@ -190,13 +193,14 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                                      "is_max": flat.max().item(), "is_raw_min": flat_raw.min().item(),
                                      "is_raw_mean": flat_raw.mean().item(), "is_raw_max": flat_raw.max().item()})
 
-            # ---- 5. mu optimizer steps over the same batch, each over GA shuffled micro-batches ---------------
+            # ---- 5. mu passes over the round, each S optimizer steps over GA shuffled micro-batches ------------
             g = torch.Generator().manual_seed(shuffle_seed(spec.SEED, r))
-            micro_batches = torch.randperm(N, generator=g).view(GA, mb_size).to(device)
+            shuffled = torch.randperm(N, generator=g).view(S * GA, mb_size).to(device)
             adv = advantages.to(device)
-            for it in range(mu):
+            for it, k in ((it, k) for it in range(mu) for k in range(S)):
                 if step >= spec.STEPS:
                     break
+                micro_batches = shuffled[k * GA:(k + 1) * GA]
                 lr_now = optimizer.param_groups[0]["lr"]
                 step_loss, mb_stats = 0.0, []
                 for mb in micro_batches:
@@ -234,7 +238,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 # ---- 6. log this optimizer step ------------------------------------------------------------
                 row = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": lr_now}
                 row.update({k: float(np.mean([s[k] for s in mb_stats])) for k in mb_stats[0]})
-                if it == 0:  # generation statistics belong to the step that generated (as TRL logs them)
+                if it == 0 and k == 0:  # generation statistics belong to the step that generated (as TRL logs them)
                     prompts_seen += len(idx)
                     tokens_seen += generated_tokens
                     row.update(_generation_metrics(completion_ids, truncated, rewards_per_func, rewards, reward_w,
@@ -245,10 +249,16 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                         {"prompt": seq_rows[i]["prompt"], "completion": completions[i], "advantage": float(advantages[i]),
                          "rewards": {fn.__name__: float(rewards_per_func[i, j]) for j, fn in enumerate(reward_fns)}}
                         for i in range(min(N, COMPLETIONS_PER_STEP))])
+                used, used_tokens = idx, generated_tokens
+                if S > 1:  # what this step consumed: its slice of the round (a prompt once per completion, in order)
+                    seqs = micro_batches.flatten().tolist()
+                    used = [i for i in idx for _ in range(sum(idx[j // G] == i for j in seqs))]
+                    used_tokens = sum(len(prompt_ids[j]) + len(completion_ids[j]) for j in seqs)
                 row.update({
-                    "prompts_in_step": len(idx), "sequences_in_step": N, "prompt_ids_hash": hash_prompt_ids(idx),
-                    "tokens_in_step": generated_tokens, "epoch": prompts_seen / len(rows),
-                    "gen_s": gen_s if it == 0 else 0.0, "harness_s": time.perf_counter() - t_harness,
+                    "prompts_in_step": len(set(used)), "sequences_in_step": N // S,
+                    "prompt_ids_hash": hash_prompt_ids(used),
+                    "tokens_in_step": used_tokens, "epoch": prompts_seen / len(rows),
+                    "gen_s": gen_s if it == 0 and k == 0 else 0.0, "harness_s": time.perf_counter() - t_harness,
                     "wall_s": time.perf_counter() - t0, "peak_mem_bytes": peak_memory_bytes(device),
                 })
                 if not math.isfinite(step_loss) or not math.isfinite(grad_norm):

@@ -80,7 +80,7 @@ def run(*args):
 
 def test_preflight_cli_exit_codes(tmp_path):
     r = run("preflight", "--spec", str(DEFAULT_SPEC))
-    assert r.returncode == 0 and "GENERATION" not in r.stdout  # CPU: both sides sample through generate
+    assert r.returncode == 0 and "set GENERATION" not in r.stdout  # CPU: both sides sample through generate
     r = run("preflight", "--spec", str(ROOT / "harness" / "specs" / "bench.toml"))
     assert r.returncode == 0 and 'set GENERATION = "hf"' in r.stdout  # GPU: the scratch decoder's copy is stated
     r = run("preflight", "--spec", str(DEFAULT_SPEC), "--set", 'trl.loss_type="dapo"')

@@ -34,7 +34,10 @@ class HarnessGRPOTrainer(GRPOTrainer):
         self.harness_generations: list[dict] = []  # one record per generation round
         self.harness_gen_s = 0.0  # seconds in the last generation (TRL's own, or the lockstep rollout_func)
         self.harness_s = 0.0  # seconds of harness bookkeeping since the last log line
+        self.harness_consumed: list[dict] = []  # several steps per generation: what each micro-step trained on
         super().__init__(*args, **kwargs)
+        # a generation feeds several optimizer steps: log what each step consumed, not the whole generation
+        self.harness_per_step = self.args.steps_per_generation > self.args.gradient_accumulation_steps
 
     def _tokenize_prompts(self, prompts):
         prompt_ids, images, fields = super()._tokenize_prompts(prompts)
@@ -47,7 +50,8 @@ class HarnessGRPOTrainer(GRPOTrainer):
         out = super()._generate(prompts)
         prompt_ids, completion_ids = out[0], out[1]  # host lists: the GPU work is done
         self.harness_gen_s = time.perf_counter() - t0
-        self._harness_tokens = sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
+        self._harness_seq_tokens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+        self._harness_tokens = sum(self._harness_seq_tokens)
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -66,6 +70,9 @@ class HarnessGRPOTrainer(GRPOTrainer):
                 "sequences": sum(part["sequences"] for part in parts),
                 "tokens": sum(part["tokens"] for part in parts),  # prompt + completion tokens as generated
             })
+            if self.harness_per_step:  # per sequence: its prompt and tokens, shuffled and sliced along with it
+                out["harness_prompt_idx"] = torch.tensor([int(x["prompt_idx"]) for x in inputs])
+                out["harness_tokens"] = torch.tensor(self._harness_seq_tokens)
             if self.harness_lockstep_seed is not None:
                 # lockstep: pin the micro-batch shuffle TRL is about to draw (torch.randperm on the global RNG)
                 # to the seed the scratch loop uses for this round
@@ -74,6 +81,15 @@ class HarnessGRPOTrainer(GRPOTrainer):
                 torch.manual_seed(shuffle_seed(self.harness_lockstep_seed, len(self.harness_generations) - 1))
         self.harness_s += time.perf_counter() - t0
         return out
+
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if not self.harness_per_step or not self.model.training:
+            return inputs
+        self.harness_consumed.append({"prompt_idx": inputs["harness_prompt_idx"].tolist(),
+                                      "tokens": int(inputs["harness_tokens"].sum())})
+        return {k: v for k, v in inputs.items() if not k.startswith("harness_")}  # TRL's loss never sees them
 
 
 class MetricLogCallback(TrainerCallback):
@@ -139,9 +155,21 @@ class MetricLogCallback(TrainerCallback):
         errors = [v for k, v in row.items() if k.startswith("reward_errors/") and v is not None]
         if errors:
             row["reward_errors"] = float(sum(errors))
+        used, sequences, tokens = last["prompt_idx"], last["sequences"], last["tokens"]
+        if self.trainer.harness_per_step:  # this step's slice of the generation, from every process
+            from accelerate.utils import gather_object
+
+            local = self.trainer.harness_consumed
+            parts = gather_object([local]) if self.trainer.accelerator.num_processes > 1 else [local]
+            consumed = [micro for part in parts for micro in part]
+            seen = [i for micro in consumed for i in micro["prompt_idx"]]
+            used = [i for i in last["prompt_idx"] for _ in range(seen.count(i))]  # once per completion, in order
+            sequences = sum(len(micro["prompt_idx"]) for micro in consumed)
+            tokens = sum(micro["tokens"] for micro in consumed)
+            self.trainer.harness_consumed = []
         row.update({
-            "prompts_in_step": len(last["prompt_idx"]), "sequences_in_step": last["sequences"],
-            "prompt_ids_hash": hash_prompt_ids(last["prompt_idx"]), "tokens_in_step": last["tokens"],
+            "prompts_in_step": len(set(used)), "sequences_in_step": sequences,
+            "prompt_ids_hash": hash_prompt_ids(used), "tokens_in_step": tokens,
             "epoch": self.prompts_seen / self.n_rows,
             "gen_s": self.trainer.harness_gen_s,
             "harness_s": self.trainer.harness_s + time.perf_counter() - t_harness,
@@ -240,9 +268,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     main = PartialState(cpu=spec.DEVICE == "cpu").is_main_process  # several processes: the first one writes
     rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
     # the shared schedule, long enough for whatever TRL takes per step (the naive mapping takes fewer)
-    rounds = math.ceil(spec.STEPS / spec.NUM_ITERATIONS)
-    factor = max(1, math.ceil(translation.prompts_per_step / spec.PROMPTS_PER_STEP))
-    schedule = prompt_schedule(len(rows), rounds * factor, spec.PROMPTS_PER_STEP, spec.SEED)
+    # (every optimizer step takes at most prompts_per_step prompts: enough rounds for STEPS of them)
+    per_step = max(translation.prompts_per_step, spec.PROMPTS_PER_STEP)
+    schedule = prompt_schedule(len(rows), math.ceil(spec.STEPS * per_step / spec.PROMPTS_PER_STEP),
+                               spec.PROMPTS_PER_STEP, spec.SEED)
     ordered = [rows[i] for block in schedule for i in block]
     dataset = Dataset.from_list(ordered)
 

@@ -108,6 +108,8 @@ def translate(spec) -> Translation:
         "dataloader_num_workers": 0, "use_cpu": spec.DEVICE == "cpu", "bf16": spec.DTYPE == "bfloat16",
         "full_determinism": spec.DETERMINISTIC,
     }
+    if spec.STEPS_PER_GENERATION > 1:  # several optimizer steps per generation (defaults to one per generation)
+        kw["steps_per_generation"] = ga * spec.STEPS_PER_GENERATION
     gc_field = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     kw[gc_field] = spec.GRADIENT_CHECKPOINTING
     if spec.sampler.kind == "vllm":
@@ -162,6 +164,11 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     T.append(_row("batch", "GRAD_ACCUM / PROCESSES", f"{spec.GRAD_ACCUM} / {processes}", "gradient_accumulation_steps",
                   kw["gradient_accumulation_steps"], "steps_per_generation defaults to it: one generation per "
                   "optimizer step, shuffled with torch.randperm and cut into micro-batches (per process)"))
+    spg = kw.get("steps_per_generation") or kw["gradient_accumulation_steps"]
+    T.append(_row("batch", "STEPS_PER_GENERATION x GRAD_ACCUM / PROCESSES", f"{spec.STEPS_PER_GENERATION} x "
+                  f"{spec.GRAD_ACCUM} / {processes}", "steps_per_generation", spg,
+                  "micro-batches per generation: a generation feeds steps_per_generation / gradient_accumulation_steps "
+                  "optimizer steps"))
     T.append(_row("loss_type", "LOSS_NORM", spec.LOSS_NORM, "loss_type", kw["loss_type"],
                   "TRL's default is dapo (token_global); a hand-written loop usually averages per sequence"))
     T.append(_row("importance_sampling", "IS_CORRECTION / sampler.kind",

@@ -87,7 +87,10 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
                                                    "batch", trl_override("gradient_accumulation_steps"))
     q["sequences per micro-batch"] = (spec.micro_batch_size, kw["per_device_train_batch_size"],
                                       q["prompts per optimizer step"][2], "batch", q["prompts per optimizer step"][4])
-    q["generation batch (sequences)"] = (spec.sequences_per_step, trl_gen,
+    q["optimizer steps per generation"] = (spec.STEPS_PER_GENERATION, spg // ga if spg % ga == 0 else spg / ga,
+                                           ("STEPS_PER_GENERATION", "steps_per_generation"), "batch",
+                                           trl_override("steps_per_generation", "generation_batch_size"))
+    q["generation batch (sequences)"] = (spec.sequences_per_step * spec.STEPS_PER_GENERATION, trl_gen,
                                          ("steps_per_generation", "generation_batch_size"), "batch",
                                          {"set": {"BATCH_MAPPING": "matched"},
                                           **trl_override("steps_per_generation", "generation_batch_size",

@@ -150,6 +150,11 @@ class Spec:
     PROCESSES: int = _f(1, "Processes the TRL side runs on (torchrun on CPU with gloo, accelerate launch on GPUs). "
                         "Its accumulation becomes GRAD_ACCUM / PROCESSES, so the effective batch stays PROMPTS_PER_STEP x "
                         "GROUP_SIZE; the scratch loop stays one process.", min=1, max=64)
+    STEPS_PER_GENERATION: int = _f(1, "Optimizer steps per generation round (TRL: steps_per_generation = GRAD_ACCUM x "
+                                   "this). Each round samples PROMPTS_PER_STEP x this prompts, shuffles its completions "
+                                   "and cuts them into this many optimizer steps of GRAD_ACCUM micro-batches; later "
+                                   "steps train on an older policy's completions, so logp_old comes from a forward pass "
+                                   "at generation time and clipping binds (the replay-buffer loops).", min=1, max=64)
     BATCH_MAPPING: str = _f("matched", "How the TRL runner maps the batch: `matched` (per_device_train_batch_size "
                             "x gradient_accumulation_steps = PROMPTS_PER_STEP x GROUP_SIZE) or `naive` (the lesson's "
                             "mistake: per_device_train_batch_size = PROMPTS_PER_STEP).", choices=("matched", "naive"))
@@ -237,6 +242,11 @@ class Spec:
     @property
     def micro_batch_size(self) -> int:
         return self.sequences_per_step // self.GRAD_ACCUM
+
+    @property
+    def rounds(self) -> int:
+        """Generation rounds: each feeds STEPS_PER_GENERATION x NUM_ITERATIONS optimizer steps."""
+        return -(-self.STEPS // (self.STEPS_PER_GENERATION * self.NUM_ITERATIONS))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -114,7 +114,7 @@ def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
 
     tokenizer = load_tokenizer(checkpoint_dir(spec))
     rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
-    schedule = prompt_schedule(len(rows), len(records), spec.PROMPTS_PER_STEP, spec.SEED)
+    schedule = prompt_schedule(len(rows), len(records), spec.PROMPTS_PER_STEP * spec.STEPS_PER_GENERATION, spec.SEED)
     fns = reward_functions(spec)
     path = Path(path)
     tmp = path.with_suffix(".jsonl.tmp")
