@@ -158,9 +158,11 @@ def final_weights_distance(yours: Path, other: Path, seed: int) -> tuple[int, fl
     if not 1 <= step <= len(other_sketch[0]):
         return None
     model = load_model(weights, "float32", "cpu")
-    sketch = ParamSketch(model, Path(yours), seed=seed)
+    folder = Path(yours) / "final_weights_sketch"  # not the run's own sketch: it holds one row, of the last step
+    folder.mkdir(exist_ok=True)
+    sketch = ParamSketch(model, folder, seed=seed)
     sketch.record(model)
-    mine = read_sketch(yours)
+    mine = read_sketch(folder)
     if mine is None or mine[1]["width"] != other_sketch[1]["width"]:
         return None
     import numpy as np

@@ -150,7 +150,10 @@ def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch
         top, bottom = axes[(i // cols) * 2][i % cols], axes[(i // cols) * 2 + 1][i % cols]
         if m == "param_rel_l2":
             steps = list(range(1, len(rel_l2) + 1))
-            top.plot(steps, [max(v, 1e-12) for v in rel_l2], color="#7b3294", lw=1.8, label="distance")
+            finite = sum(math.isfinite(v) for v in rel_l2)  # a user's loop: its final weights only, one point
+            top.plot(steps, [max(v, 1e-12) for v in rel_l2], color="#7b3294", lw=1.8, label="distance",
+                     marker="o" if finite < 3 else None)
+            top.set_xlim(0.5, len(rel_l2) + 0.5)
             lim = (tolerance or {}).get("param_rel_l2", {}).get("max")
             if lim:
                 top.axhline(lim, color="#999", ls="--", lw=1, label="tolerance")
@@ -201,8 +204,8 @@ def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch
     for j in range(len(panels), rows * cols):
         axes[(j // cols) * 2][j % cols].axis("off")
         axes[(j // cols) * 2 + 1][j % cols].axis("off")
-    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.35 / (3.5 * rows), bottom=0.25 / (3.5 * rows), hspace=0.5,
-                        wspace=0.3)
+    fig.subplots_adjust(left=0.7 / (4.4 * cols), right=0.98, top=1 - 0.35 / (3.5 * rows), bottom=0.25 / (3.5 * rows),
+                        hspace=0.5, wspace=0.3)
     return _png(fig)
 
 
@@ -242,7 +245,8 @@ def overview_figure(cells: list[dict], tolerance_max: float | None = None) -> st
         k += 1
         fd = c["first_divergence"]
         a, b = c["_frames"]
-        for df, color, ls, name in ((a, "#1f77b4", "-", "scratch"), (b, "#ff7f0e", "--", "trl")):
+        names = c.get("sides") or ("scratch", "trl")
+        for df, color, ls, name in ((a, "#1f77b4", "-", names[0]), (b, "#ff7f0e", "--", names[1])):
             s = _series(df, fd["metric"])
             if s is not None:
                 ax.plot(s.index, s.values, color=color, ls=ls, lw=1.5, label=name)
@@ -253,8 +257,8 @@ def overview_figure(cells: list[dict], tolerance_max: float | None = None) -> st
             ax.legend(fontsize=8)
     for ax in flat[k:]:
         ax.axis("off")
-    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.35 / (2.6 * rows), bottom=0.3 / (2.6 * rows), hspace=0.55,
-                        wspace=0.3)
+    fig.subplots_adjust(left=0.7 / (4.4 * cols), right=0.98, top=1 - 0.35 / (2.6 * rows), bottom=0.3 / (2.6 * rows),
+                        hspace=0.5, wspace=0.3)
     return _png(fig)
 
 
@@ -388,18 +392,22 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     from harness.runlog.params import relative_l2
 
     cell_dir = Path(cell.get("dir", ""))
+    sides = tuple(cell.get("sides") or ("scratch", "trl"))  # ("yours", "trl") for a user's loop
     rel, spread = None, None
     if mode == "free":
-        a_dirs = sorted((cell_dir / "scratch").glob("seed-*"))
-        b_dirs = sorted((cell_dir / "trl").glob("seed-*"))
-        a_root = a_dirs[0] if a_dirs else cell_dir / "scratch"
-        b_root = b_dirs[0] if b_dirs else cell_dir / "trl"
+        a_dirs = sorted((cell_dir / sides[0]).glob("seed-*"))
+        b_dirs = sorted((cell_dir / sides[1]).glob("seed-*"))
+        a_root = a_dirs[0] if a_dirs else cell_dir / sides[0]
+        b_root = b_dirs[0] if b_dirs else cell_dir / sides[1]
         spread = _seed_spread([_read(d) for d in a_dirs], [_read(d) for d in b_dirs])
     else:
-        a_root, b_root = cell_dir / "scratch", cell_dir / "trl"
+        a_root, b_root = cell_dir / sides[0], cell_dir / sides[1]
     a, b = _read(a_root), _read(b_root)
     if mode != "free" and a is not None and b is not None:
         rel = relative_l2(a_root, b_root)
+    if rel is None and "param_rel_l2" in cell.get("metrics", {}):  # a user's loop: its final weights only
+        m = cell["metrics"]["param_rel_l2"]
+        rel = [math.nan] * (int(m.get("step_max_abs") or (len(a) if a is not None else 1)) - 1) + [m["max_abs"]]
     manifest_a = (a.attrs.get("manifest") if a is not None else None) or {}
     manifest_b = (b.attrs.get("manifest") if b is not None else None) or {}
     mapping_path = b_root / "mapping.json"
@@ -421,23 +429,26 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     figures = []
     if shown:
         img = curves_figure(a, b, shown[:MAX_PANELS], fd, tol_by_metric if mode == "lockstep" else None, rel_l2=rel,
-                            spread=spread)
+                            spread=spread, names=sides)
         if img:
             figures.append({"group": "metrics that differ", "img": img})
     kinds["not_drawn"] = shown[MAX_PANELS:] + ([m for m in kinds["plot"] if m not in plot])
     kinds["timing"] = {side: {m: float(df[m].median()) for m in ("wall_s", "gen_s") if _series(df, m) is not None}
-                       for side, df in (("scratch", a), ("trl", b)) if df is not None}
+                       for side, df in zip(sides, (a, b)) if df is not None}
     step = fd["step"] if fd else None
     return {
         **cell, "figures": figures, "full": full,
-        "checks": _three_checks(a, b, manifest_a, manifest_b) if a is not None and b is not None else [],
+        # the lesson's checks read the scratch loop's spec; a user's loop keeps its choices to itself
+        "checks": _three_checks(a, b, manifest_a, manifest_b) if a is not None and b is not None and
+        sides == ("scratch", "trl") else [], "sides": sides,
+        "explained": next((d for d in cell.get("attribution_detail") or [] if "runs" in d), None),
         "completions": list(zip(_completions(a_root, step), _completions(b_root, step))),
         "diff_config": [r for r in mapping if str(r.get("scratch_value")) != str(r.get("trl_value"))],
         "mapping": mapping,
         "samplers": sorted({str(m.get("sampler")) for m in (manifest_a, manifest_b) if m.get("sampler")}),
         "emulated": any("emulated" in str(m.get("sampler", "")) for m in (manifest_a, manifest_b)),
         "device": manifest_a.get("device"), "lockstep_note": mode == "lockstep", "kinds": kinds,
-        "_frames": (a, b), "_rel_l2": rel,
+        "_frames": (a, b), "_rel_l2": rel if rel and not any(math.isnan(v) for v in rel) else None,
     }
 
 
@@ -472,24 +483,30 @@ def write_parity_report(out_dir: str | Path) -> Path:
     return path
 
 
-def write_compare_report(out_dir: str | Path, result: dict) -> Path:
+def write_compare_report(out_dir: str | Path, result: dict, frames=None) -> Path:
+    """The compare page. `frames`: each side's loaded runs (lists of frames, as `compare` read and aligned them);
+    without them the runs named in the result are read again. Several seeds: the first seed's curve and each
+    side's seed band."""
     from harness.diagnose.compare import load_any_run, load_tolerances
 
     out_dir = Path(out_dir)
-    a_dir, b_dir = (Path(r) for r in result.get("runs", ["", ""]))
-    a = load_any_run(a_dir) if a_dir.exists() else None
-    b = load_any_run(b_dir) if b_dir.exists() else None
+    runs = result.get("runs", ["", ""])
+    paths = [Path(r[0] if isinstance(r, list) else r) for r in runs]
+    if frames is None:
+        frames = [[load_any_run(p)] if str(p) and p.exists() else [] for p in paths]
+    a, b = (f[0] if f else None for f in frames)
+    spread = _seed_spread(frames[0], frames[1]) if max(len(f) for f in frames) > 1 else None
     tol = load_tolerances().get(result["mode"], {}).get(result.get("dtype") or "float32", {})
+    names = tuple(result.get("names") or (paths[0].name or "A", paths[1].name or "B"))
     figures = []
     for group, metrics in GROUPS.items():
         if group == "throughput and memory":
             continue
-        img = curves_figure(a, b, metrics, result.get("first_divergence"),
-                            {m: tol.get(m, tol.get("default", {})) for m in metrics}, names=(a_dir.name, b_dir.name))
+        bands = {m: tol.get(m, tol.get("default", {})) for m in metrics} if result["mode"] == "lockstep" else None
+        img = curves_figure(a, b, metrics, result.get("first_divergence"), bands, names=names, spread=spread)
         if img:
             figures.append({"group": group, "img": img})
-    html = _env().get_template("compare.html.j2").render(result=result, figures=figures,
-                                                          names=(a_dir.name or "A", b_dir.name or "B"))
+    html = _env().get_template("compare.html.j2").render(result=result, figures=figures, names=names)
     path = out_dir / "report.html"
     path.write_text(html)
     return path
