@@ -1,18 +1,45 @@
 """The comparator: two metric logs in, per-metric differences and the first divergence out.
 
-`python -m harness compare RUN_A RUN_B --out DIR` works on any two runs the harness wrote, and on a
-TRL `trainer_state.json` (its `log_history`) produced elsewhere. Steps are aligned by number; per
-metric it reports the max |delta| and max relative delta with the step of each, the mean delta
-(one-sided drift, as TRL's tests/invariant checks) and the first step outside tolerance.
-Tolerances come from a TOML file (default: harness/diagnose/tolerances.toml): lockstep defaults are
-torch.testing's per-dtype rtol/atol.
+`python -m harness compare A B --out DIR` reads, for each side:
+- a run folder the harness wrote (`metrics.jsonl` + `manifest.json`), or its `metrics.jsonl`;
+- any other JSONL file (one JSON object per logged row) or CSV file (a header row), e.g. a W&B export;
+- a TRL `trainer_state.json` (its `log_history`), or the folder holding it;
+- several runs of one side (free-run seeds): a comma-separated list (an item may be a quoted glob), or a
+  folder of seed runs (`seed-*/`, as the harness's free runs write them).
+
+Names: `--map OURS=THEIRS` renames a log's column THEIRS to the harness/TRL metric name OURS (in both logs,
+where present). Without a map, TRL's log_history keys are the harness's names already; W&B columns lose their
+`train/` prefix (`train/epoch` becomes `trl/epoch`, TRL's epoch); the step is the first of `step`,
+`train/global_step`, `global_step`, `iteration`, `_step`; W&B bookkeeping (`_runtime`, `_timestamp`, any
+column starting with `_`) and the Trainer's end-of-training summary (`train_runtime`, ...) are dropped, and
+so are text columns of other people's logs (a run name, say; `prompt_ids_hash` is kept).
+
+Missing and non-finite values: a value a log does not have (an absent key, a JSON null outside harness
+logs, an empty CSV cell) is absent and not compared at that step. A NaN or inf a run computed (JSON
+NaN/Infinity, "nan"/"inf" in a CSV, a null in a harness log, whose writer stores them so) is a divergence
+at that step on either side, both sides included, never parity. `df.attrs["absent"]` ({metric: [steps]},
+set by `load_any_run`) carries the difference; in a frame without it every NaN is a computed one.
+
+Steps are aligned by number, or by generation round (`align_rounds`: a `round` column, else each log's steps
+counted K to a round from its first step; values averaged per round). Per metric it reports the max |delta|
+and max relative delta with the step of each, the mean delta (one-sided drift, as TRL's tests/invariant
+checks) and the first step outside tolerance. Tolerances come from a TOML file (default:
+harness/diagnose/tolerances.toml): lockstep defaults are torch.testing's per-dtype rtol/atol. Several seeds
+per side are compared with the free-run statistic (freerun.compare_free), never with lockstep's tolerances.
+
+A metric (or a step's value) that one side logs and the other does not: between the built-in sides
+(`compare_runs`, the matrix) a divergence, since there it means different settings; in `compare_inputs`
+(the `compare` command, other people's logs) listed as not compared, never a divergence.
 """
 
 from __future__ import annotations
 
+import csv
+import glob
 import json
 import math
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +51,13 @@ DEFAULT_TOLERANCES = Path(__file__).with_name("tolerances.toml")
 PRIORITY = ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "epoch", "tokens_in_step", "num_tokens",
             "reward", "reward_std", "loss", "grad_norm", "completions/mean_length", "entropy", "learning_rate",
             "sampling/importance_sampling_ratio/mean", "param_rel_l2")
+# a log's step: the first of these it has (W&B: the Trainer's train/global_step before wandb's own _step)
+STEP_COLUMNS = ("step", "train/global_step", "global_step", "iteration", "_step")
+# the Trainer's end-of-training summary (W&B: train/train_runtime, ...): one row, not a per-step metric
+SUMMARY_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                          "train_loss"})
+TEXT_METRICS = frozenset({"prompt_ids_hash"})  # text the comparator compares (by equality)
+CHECKS = ("batch", "loss_type", "importance_sampling")  # the lesson's checks, worded as suspicions by compare
 
 
 class CompareInputError(ValueError):
@@ -38,34 +72,468 @@ def load_tolerances(path: str | Path | None = None) -> dict:
         raise CompareInputError(f"tolerance file {path}: {e}") from None
 
 
-def load_any_run(path: str | Path) -> pd.DataFrame:
-    """A harness run folder, a metrics.jsonl, or a TRL trainer_state.json (or its folder)."""
-    from harness.runlog.log import METRICS_FILE, read_run
+# ---------------------------------------------------------------------------------------------
+# reading logs: the harness's, JSONL, CSV, TRL's trainer_state.json
+# ---------------------------------------------------------------------------------------------
+def load_any_run(path: str | Path, mapping: dict | None = None) -> pd.DataFrame:
+    """A harness run folder, a metrics.jsonl or any JSONL, a CSV, or a TRL trainer_state.json (or its folder), as
+    a frame indexed by step with the harness's metric names. `mapping`: {OURS: THEIRS} column renames."""
+    from harness.runlog.log import MANIFEST_FILE, METRICS_FILE, read_metrics
 
     path = Path(path)
-    if path.is_dir() and (path / METRICS_FILE).exists():
-        df = read_run(path)
-    elif path.is_file() and path.suffix == ".jsonl":
-        df = read_run(path.parent) if path.name == METRICS_FILE else None
-        if df is None:
-            raise CompareInputError(f"{path}: expected a harness metrics.jsonl")
-    else:
-        state = path / "trainer_state.json" if path.is_dir() else path
-        if not state.exists():
-            raise CompareInputError(f"{path}: neither a harness run (metrics.jsonl) nor a TRL trainer_state.json")
+    mapping = dict(mapping or {})
+    log = path / METRICS_FILE if path.is_dir() else path
+    if log.is_file() and log.suffix == ".jsonl":
+        manifest_path = log.parent / MANIFEST_FILE
+        harness = log.name == METRICS_FILE and manifest_path.exists()  # RunWriter's log: a null is a NaN or inf
         try:
-            history = json.loads(state.read_text())["log_history"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CompareInputError(f"{state}: not a trainer_state.json with log_history ({e})") from None
-        rows = [h for h in history if "loss" in h and "step" in h]
-        df = pd.DataFrame(rows)
-        if not df.empty:
-            df = df.rename(columns={"epoch": "trl/epoch"}).set_index("step", drop=False).sort_index()
-        df.attrs["manifest"] = {"side": "trl", "source": str(state)}
-        df.attrs["problems"] = []
+            rows, problems = read_metrics(log) if harness else _read_jsonl(log)
+            manifest = json.loads(manifest_path.read_text()) if harness else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CompareInputError(f"{log}: cannot be read ({e})") from None
+        return _frame(rows, log, mapping, harness=harness, manifest=manifest, problems=problems)
+    if path.is_file() and path.suffix.lower() == ".csv":
+        rows, problems = _read_csv(path)
+        return _frame(rows, path, mapping, problems=problems)
+    state = path / "trainer_state.json" if path.is_dir() else path
+    if not state.exists():
+        raise CompareInputError(f"{path}: neither a harness run (metrics.jsonl) nor a TRL trainer_state.json "
+                                "(nor a .jsonl or .csv log)")
+    try:
+        history = json.loads(state.read_text())["log_history"]
+        if not isinstance(history, list):
+            raise TypeError("log_history is not a list")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CompareInputError(f"{state}: not a trainer_state.json with log_history ({e})") from None
+    loss = mapping.get("loss", "loss")  # training rows carry the loss; eval rows and the summary do not
+    rows = [h for h in history if isinstance(h, dict) and loss in h]
+    return _frame(rows, state, mapping, trl_history=True, manifest={"side": "trl", "source": str(state)})
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
+    rows, problems = [], []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            where = "last line" if n == len(lines) else f"line {n}"
+            problems.append(f"{path}: {where} is not complete JSON; skipped")
+            continue
+        if isinstance(obj, dict):
+            rows.append(obj)
+        else:
+            problems.append(f"{path}: line {n} is not a JSON object; skipped")
+    return rows, problems
+
+
+def _read_csv(path: Path) -> tuple[list[dict], list[str]]:
+    """Rows of a CSV: an empty cell is absent; a column whose cells all read as numbers ("nan", "inf" included)
+    is numeric."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            raw = list(reader)
+            header = [h for h in (reader.fieldnames or []) if h is not None]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise CompareInputError(f"{path}: cannot be read as CSV ({e})") from None
+    numeric = {}
+    for col in header:
+        try:
+            [float(r[col]) for r in raw if (r.get(col) or "").strip()]
+            numeric[col] = True
+        except (TypeError, ValueError):
+            numeric[col] = False
+    rows = [{col: float(r[col]) if numeric[col] else r[col] for col in header if (r.get(col) or "").strip()}
+            for r in raw]
+    return rows, []
+
+
+def _as_step(value):
+    """A step value as int (or float when fractional); None when it is not a finite number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(v):
+        return None
+    return int(v) if v.is_integer() else v
+
+
+def _names(columns: list[str], mapping: dict, trl_history: bool) -> tuple[dict, list[str]]:
+    """{column in the log: harness name} for the columns kept, and the map's THEIRS names found here."""
+    renamed = {}
+    for ours, theirs in mapping.items():
+        for cand in (theirs, f"train/{theirs}"):
+            if cand in columns:
+                renamed[cand] = ours
+                break
+    names = {}
+    for c in columns:
+        if c in renamed:
+            names[c] = renamed[c]
+        elif c == "train/epoch" or (trl_history and c == "epoch"):
+            names[c] = "trl/epoch"  # TRL's epoch; the harness's `epoch` counts prompts seen
+        elif c.startswith("train/") and c != "train/global_step":
+            names[c] = c[len("train/"):]
+        else:
+            names[c] = c
+    # one name from several columns: a mapped one wins, then one that had its name already
+    chosen: dict[str, str] = {}
+    for c in sorted(names, key=lambda c: 0 if c in renamed else 1 if names[c] == c else 2):
+        chosen.setdefault(names[c], c)
+    keep = {c: n for n, c in chosen.items()}
+    if "step" not in keep.values():
+        for cand in STEP_COLUMNS[1:]:
+            src = next((c for c, n in keep.items() if n == cand), None)
+            if src is not None:
+                keep[src] = "step"
+                break
+    keep = {c: n for c, n in keep.items() if n == "step" or not (n.startswith("_") or n in STEP_COLUMNS or
+                                                                    n in SUMMARY_KEYS)}
+    return keep, sorted(renamed)
+
+
+def _frame(rows: list[dict], source: Path, mapping: dict, *, harness: bool = False, trl_history: bool = False,
+           manifest: dict | None = None, problems: list[str] | None = None) -> pd.DataFrame:
+    """Rows (absent key: not logged; NaN/inf: computed) -> a frame indexed by step, harness names, attrs."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    keep, mapped = _names(columns, mapping, trl_history)
+    if rows and "step" not in keep.values():
+        shown = ", ".join(columns[:25]) + (f", ... ({len(columns)} columns)" if len(columns) > 25 else "")
+        raise CompareInputError(f"{source}: no step column (it has: {shown}); name the column that counts "
+                                "optimizer steps with --map step=COLUMN")
+    by_step: dict = {}
+    no_step = 0
+    for r in rows:
+        row = {}
+        for k, v in r.items():
+            name = keep.get(k)
+            if name is None:
+                continue
+            if v is None:
+                if not harness:  # pandas and W&B write a missing value as null
+                    continue
+                v = math.nan  # RunWriter writes NaN and inf as null
+            row[name] = v
+        step = _as_step(row.get("step"))
+        if step is None:
+            no_step += 1
+            continue
+        row["step"] = step
+        by_step.setdefault(step, {}).update(row)  # rows of one step (W&B logs several): one row
+    notes = list(problems or [])
+    if no_step and not harness:
+        notes.append(f"{source}: {no_step} row(s) without a step value skipped")
+    skipped = [] if harness else _numeric_columns(by_step)
+    if skipped:
+        notes.append(f"{source}: text columns not compared: {', '.join(skipped[:8])}" + (" ..." if len(skipped) > 8
+                                                                                          else ""))
+    df = _build(by_step)
     if df.empty:
-        raise CompareInputError(f"{path}: the run has no logged steps")
+        raise CompareInputError(f"{source}: the run has no logged steps")
+    df.attrs.update(manifest=manifest or {}, problems=notes, source=str(source), columns=columns, mapped=mapped,
+                    skipped=skipped)
     return df
+
+
+def _numeric_columns(by_step: dict) -> list[str]:
+    """Drop text and nested columns of another's log (in place), numbers written as strings read as numbers;
+    returns the names dropped."""
+    kinds: dict[str, set] = {}
+    for row in by_step.values():
+        for k, v in row.items():
+            kinds.setdefault(k, set()).add(type(v))
+    dropped = []
+    for k, types in kinds.items():
+        if k == "step" or k in TEXT_METRICS or types <= {int, float, bool}:
+            continue
+        if types <= {int, float, bool, str}:
+            try:
+                for row in by_step.values():
+                    if isinstance(row.get(k), str):
+                        float(row[k])
+            except ValueError:
+                pass
+            else:
+                for row in by_step.values():
+                    if isinstance(row.get(k), str):
+                        row[k] = float(row[k])
+                continue
+        dropped.append(k)
+        for row in by_step.values():
+            row.pop(k, None)
+    return sorted(dropped)
+
+
+def _build(by_step: dict) -> pd.DataFrame:
+    """{step: row} -> a frame indexed by step; attrs["absent"]: per metric, the steps its log has no value at."""
+    steps = sorted(by_step)
+    df = pd.DataFrame([by_step[s] for s in steps])
+    if df.empty:
+        return df
+    df = df.set_index("step", drop=False)
+    absent = {}
+    for c in df.columns:
+        miss = [s for s in steps if c not in by_step[s]]
+        if miss:
+            absent[c] = miss
+    df.attrs["absent"] = absent
+    return df
+
+
+def absent_at(df: pd.DataFrame, metric: str, steps) -> np.ndarray:
+    """True where the log has no value for `metric` (not logged at that step, as opposed to a NaN it computed)."""
+    return _absent((df.attrs.get("absent") or {}).get(metric), steps)
+
+
+def _absent(miss, steps) -> np.ndarray:
+    if not miss:
+        return np.zeros(len(steps), dtype=bool)
+    return np.isin(np.asarray(list(steps), dtype=float), np.asarray(miss, dtype=float))
+
+
+def align_rounds(df: pd.DataFrame, steps_per_round: int | None = None) -> pd.DataFrame:
+    """The log by generation round: its `round` column, else its steps counted `steps_per_round` to a round from
+    its first step (round 1). Per round, the mean of the values its steps logged (a NaN or inf among them stays
+    one); text: the first value."""
+    source = df.attrs.get("source", "a log")
+    if "round" in df.columns:
+        rounds = [_as_step(v) for v in df["round"]]
+    elif steps_per_round:
+        first = df.index.min()
+        rounds = [int((s - first) // steps_per_round) + 1 for s in df.index]
+    else:
+        raise CompareInputError(f"{source}: --align round needs a `round` column or --steps-per-round K (optimizer "
+                                "steps per generation round; 1 for a log with one row per round)")
+    cols = [c for c in df.columns if c not in ("step", "round")]
+    gone = {c: absent_at(df, c, df.index) for c in cols}
+    bare = _bare(df)
+    column = {c: bare[c].tolist() for c in cols}
+    groups: dict = {}
+    for pos, r in enumerate(rounds):
+        if r is not None:  # (a row without a round number is left out)
+            groups.setdefault(r, []).append(pos)
+    by_round = {}
+    for r, positions in groups.items():
+        row = {"step": r}
+        for c in cols:
+            vals = [column[c][p] for p in positions if not gone[c][p]]
+            if not vals:
+                continue
+            numbers = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                          for v in vals)
+            row[c] = float(np.mean(np.asarray(vals, dtype=float))) if numbers else vals[0]
+        by_round[r] = row
+    out = _build(by_round)
+    if out.empty:
+        raise CompareInputError(f"{source}: no round to align (its `round` column holds no numbers)")
+    out.attrs.update({k: v for k, v in df.attrs.items() if k != "absent"})
+    sizes = sorted({len(p) for p in groups.values()})
+    if sizes != [1]:
+        per = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}"
+        out.attrs["problems"] = list(df.attrs.get("problems", [])) + [
+            f"{source}: {len(df)} rows in {len(groups)} rounds ({per} per round), values averaged per round"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the inputs of `compare`: one run or several seeds per side
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    """Both sides' logs, loaded: one frame per run (several: free-run seeds)."""
+    a: list
+    b: list
+    paths: tuple
+    names: tuple
+    align: str = "step"
+    mapping: dict = field(default_factory=dict)
+
+
+def parse_map(items) -> dict:
+    """`--map OURS=THEIRS` items -> {OURS: THEIRS}."""
+    out = {}
+    for item in items or ():
+        ours, sep, theirs = str(item).partition("=")
+        if not sep or not ours.strip() or not theirs.strip():
+            raise CompareInputError(f"--map {item}: expected OURS=THEIRS (the harness/TRL name, then your log's "
+                                    "column), e.g. --map loss=train_loss")
+        out[ours.strip()] = theirs.strip()
+    return out
+
+
+def parse_steps_per_round(value) -> tuple[int, int] | None:
+    """`--steps-per-round K` (both logs) or `KA,KB` (each log) -> (KA, KB)."""
+    if value in (None, ""):
+        return None
+    parts = [p.strip() for p in str(value).split(",")]
+    try:
+        ks = [int(p) for p in parts]
+    except ValueError:
+        ks = []
+    if len(ks) not in (1, 2) or min(ks) < 1:
+        raise CompareInputError(f"--steps-per-round {value}: expected K or KA,KB (positive whole numbers: optimizer "
+                                "steps per generation round, 1 for a log with one row per round)")
+    return (ks[0], ks[-1])
+
+
+def _is_run(path: Path) -> bool:
+    return (path / "metrics.jsonl").is_file() or (path / "trainer_state.json").is_file()
+
+
+def expand_runs(arg) -> list[Path]:
+    """One side's runs: a run, a comma-separated list of runs (an item may be a glob), or a folder of seed runs
+    (its seed-*/ subfolders)."""
+    paths = []
+    for item in (s.strip() for s in str(arg).split(",")):
+        if not item:
+            continue
+        if any(ch in item for ch in "*?["):
+            found = sorted(glob.glob(item))
+            if not found:
+                raise CompareInputError(f"{item}: the pattern matches no file or folder")
+            paths += [Path(p) for p in found]
+        else:
+            paths.append(Path(item))
+    if not paths:
+        raise CompareInputError(f"{arg!r}: no run given")
+    if len(paths) == 1 and paths[0].is_dir() and not _is_run(paths[0]):
+        seeds = sorted(d for d in paths[0].glob("seed-*") if d.is_dir() and _is_run(d))
+        if seeds:
+            return seeds
+    return paths
+
+
+def _label(paths: list[Path]) -> str:
+    p = paths[0]
+    name = p.parent.name if p.name in ("metrics.jsonl", "trainer_state.json") else p.name
+    if len(paths) > 1:
+        name = f"{p.parent.name or name} ({len(paths)} runs)"
+    return name or "A"
+
+
+def load_inputs(run_a, run_b, *, mapping: dict | None = None, align: str = "step",
+                steps_per_round=None) -> Inputs:
+    """Both sides of a comparison, loaded and aligned (by step, or by generation round)."""
+    mapping = dict(mapping or {})
+    per_round = parse_steps_per_round(steps_per_round) if not isinstance(steps_per_round, tuple) else steps_per_round
+    if align not in ("step", "round"):
+        raise CompareInputError(f"--align {align}: expected step or round")
+    if per_round and align != "round":
+        raise CompareInputError("--steps-per-round counts steps to a generation round: add --align round")
+    paths = (expand_runs(run_a), expand_runs(run_b))
+    frames = ([load_any_run(p, mapping) for p in paths[0]], [load_any_run(p, mapping) for p in paths[1]])
+    if mapping:
+        found = {c for side in frames for f in side for c in f.attrs.get("mapped", [])}
+        for ours, theirs in mapping.items():
+            if theirs not in found and f"train/{theirs}" not in found:
+                cols = {c for side in frames for f in side for c in f.attrs.get("columns", [])}
+                raise CompareInputError(f"--map {ours}={theirs}: neither log has a column {theirs!r} (their columns: "
+                                        f"{', '.join(sorted(cols)[:30])})")
+    if align == "round":
+        frames = tuple([align_rounds(f, per_round[i] if per_round else None) for f in side]
+                       for i, side in enumerate(frames))
+    return Inputs(a=frames[0], b=frames[1], paths=paths, names=(_label(paths[0]), _label(paths[1])), align=align,
+                  mapping=mapping)
+
+
+def suspicions(result: dict, evidence) -> list[dict]:
+    """The lesson's checks that the curves point at, worded by `evidence(check, result)` (the attribution's
+    rules, harness.diagnose.attribution._evidence, passed in: this module cannot import it). Suspected only:
+    compare re-runs nothing, so nothing is confirmed."""
+    fd = result.get("first_divergence")
+    if evidence is None or fd is None:
+        return []
+    # a NaN or inf first: no sign of how the loss is averaged, whatever the loss_type rule would read into it
+    nan_first = fd["step"] in ((result["metrics"].get(fd["metric"]) or {}).get("non_finite_steps") or [])
+    out = []
+    for check in CHECKS:
+        if check == "loss_type" and nan_first:
+            continue
+        try:
+            why = evidence(check, result)
+        except (KeyError, TypeError, ValueError):  # a result without the fields a rule reads
+            why = None
+        if why:
+            out.append({"check": check, "status": "suspected", "evidence": why})
+    return out
+
+
+SEEDS_HINT = "give each side a folder of seed runs (seed-*/), or a comma-separated list of runs, e.g. A1,A2,A3 B1,B2,B3"
+
+
+def input_mode(inputs: Inputs, mode: str | None = None) -> str:
+    """"lockstep" for one run per side, "free" for several seeds per side (`mode` None picks by the count); a
+    mode the counts do not allow is an input error saying what to give instead."""
+    n = (len(inputs.a), len(inputs.b))
+    mode = mode or ("free" if max(n) > 1 else "lockstep")
+    if mode == "free" and min(n) < 2:
+        raise CompareInputError(f"--mode free measures the seed-to-seed noise, which needs at least 2 seeds per side "
+                                f"(here {n[0]} and {n[1]}): {SEEDS_HINT}; or compare one run per side in lockstep "
+                                "mode")
+    if mode == "lockstep" and max(n) > 1:
+        raise CompareInputError(f"several runs per side ({n[0]} and {n[1]}) are free-run seeds: use --mode free (the "
+                                "default for them), or give one run per side")
+    return mode
+
+
+def compare_inputs(inputs: Inputs, *, dtype: str | None = None, tolerance_file: str | Path | None = None,
+                   evidence=None) -> dict:
+    """One run per side, compared with lockstep's tolerances; metrics one side logs are listed as not compared.
+    (Several seeds per side: `harness.diagnose.freerun.compare_free_inputs`, the seed-noise statistic.)
+    `evidence`: the attribution's rules, for the suspicions (see `suspicions`)."""
+    input_mode(inputs, "lockstep")
+    a, b = inputs.a[0], inputs.b[0]
+    if dtype is None:
+        dtype = (a.attrs.get("manifest", {}).get("spec") or {}).get("DTYPE", "float32")
+    if not len(a.index.intersection(b.index)):
+        raise CompareInputError(f"{inputs.names[0]} and {inputs.names[1]} share no {_unit(inputs)} ("
+                                f"{a.index.min()}..{a.index.max()} and {b.index.min()}..{b.index.max()}): check "
+                                "the step column (--map step=COLUMN), or align by round (--align round)")
+    rel = None
+    dirs = [p if p.is_dir() else p.parent for p in (inputs.paths[0][0], inputs.paths[1][0])]
+    if inputs.align == "step" and all((d / "metrics.jsonl").exists() for d in dirs):
+        from harness.runlog.params import relative_l2
+
+        rel = relative_l2(*dirs)
+    result = compare_frames(a, b, mode="lockstep", dtype=dtype, tolerances=load_tolerances(tolerance_file),
+                            param_rel_l2=rel, one_sided="not_compared")
+    if not any(m != "param_rel_l2" for m in result["metrics"]):
+        raise CompareInputError(f"{inputs.names[0]} and {inputs.names[1]} share no metric at a shared {_unit(inputs)} "
+                                f"({inputs.names[0]}: {_columns(a)}; {inputs.names[1]}: {_columns(b)}): name the "
+                                "pairs with --map OURS=THEIRS")
+    if a.index.min() != b.index.min():
+        result["notes"].append(f"the logs start at different {_unit(inputs)}s ({a.index.min()} and "
+                               f"{b.index.min()}); they are matched by number" + (
+                                   "" if inputs.align == "round" else ": if one counts from 0, --align round "
+                                   "--steps-per-round 1 numbers both from 1"))
+    return finish_inputs(result, inputs, evidence)
+
+
+def finish_inputs(result: dict, inputs: Inputs, evidence=None) -> dict:
+    """What every comparison of inputs records besides the numbers: runs, names, alignment, map, suspicions."""
+    several = max(len(inputs.a), len(inputs.b)) > 1
+    result["runs"] = [[str(p) for p in inputs.paths[0]], [str(p) for p in inputs.paths[1]]] if several \
+        else [str(inputs.paths[0][0]), str(inputs.paths[1][0])]
+    result["names"] = list(inputs.names)
+    result["align"] = inputs.align
+    result["map"] = dict(inputs.mapping)
+    result["suspected"] = suspicions(result, evidence)
+    return result
+
+
+def _unit(inputs: Inputs) -> str:
+    return "round" if inputs.align == "round" else "step"
+
+
+def _columns(df: pd.DataFrame, limit: int = 12) -> str:
+    cols = [c for c in df.columns if c != "step"]
+    return ", ".join(cols[:limit]) + (" ..." if len(cols) > limit else "") if cols else "none"
 
 
 def tolerance_for(tol: dict, mode: str, dtype: str, metric: str) -> dict:
@@ -77,10 +545,21 @@ def tolerance_for(tol: dict, mode: str, dtype: str, metric: str) -> dict:
 
 
 def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", dtype: str = "float32",
-                   tolerances: dict | None = None, param_rel_l2: list[float] | None = None) -> dict:
-    """Per-metric differences of two runs and the first step where any leaves tolerance."""
+                   tolerances: dict | None = None, param_rel_l2: list[float] | None = None,
+                   one_sided: str = "divergence") -> dict:
+    """Per-metric differences of two runs and the first step where any leaves tolerance.
+
+    A NaN or inf on either side (both included) is a divergence at that step; a value neither log has at a step
+    is not compared there. `one_sided`: what a metric, or a step's value, that only one side logs is:
+    "divergence" (the built-in sides: it means different settings) or "not_compared" (other people's logs:
+    listed in `not_compared`, never a divergence)."""
+    if one_sided not in ("divergence", "not_compared"):
+        raise ValueError(f"one_sided: {one_sided!r}")
     tol = tolerances or load_tolerances()
     procs = [int((df.attrs.get("manifest") or {}).get("processes", 1)) for df in (a, b)]
+    problems = [*a.attrs.get("problems", []), *b.attrs.get("problems", [])]
+    gone = (a.attrs.get("absent") or {}, b.attrs.get("absent") or {})
+    a, b = _bare(a), _bare(b)  # (pandas deep-copies attrs on every selection)
     not_decisive = set(tol.get("aggregation", {}).get("per_micro_step", [])) if procs[0] != procs[1] else set()
     ignore = set(tol.get("ignore", {}).get("metrics", [])) | {"step"}
     steps = a.index.intersection(b.index)
@@ -90,17 +569,25 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
     by_design = tuple(tol.get("ignore", {}).get("one_sided_prefixes", []))
     only_a = sorted(c for c in set(a.columns) - set(b.columns) - ignore if not c.startswith(by_design))
     only_b = sorted(c for c in set(b.columns) - set(a.columns) - ignore if not c.startswith(by_design))
-    metrics, failures = {}, []
-    # a metric one side logs and the other never does (e.g. TRL's IS ratios with the correction on one side only)
-    for df, names in ((a, only_a), (b, only_b)):
-        for name in names:
-            logged = df[name].dropna()
-            failures.append((int(logged.index[0]) if len(logged) else int(df.index[0]), name))
+    metrics, failures, non_finite = {}, [], []
+    not_compared: dict[str, str] = {}  # metric -> why: "a"/"b" (only that side logs it), "steps" (never both at one)
+    if one_sided == "divergence":
+        # a metric one side logs and the other never does (e.g. TRL's IS ratios with the correction on one side only)
+        for df, names in ((a, only_a), (b, only_b)):
+            for name in names:
+                logged = df[name].dropna()
+                failures.append((int(logged.index[0]) if len(logged) else int(df.index[0]), name))
+    else:
+        not_compared = {c: "a" for c in set(a.columns) - set(b.columns) - ignore}
+        not_compared.update({c: "b" for c in set(b.columns) - set(a.columns) - ignore})
     for col in sorted((set(a.columns) & set(b.columns)) - ignore):
         x, y = a.loc[steps, col], b.loc[steps, col]
+        gone_a, gone_b = _absent(gone[0].get(col), steps), _absent(gone[1].get(col), steps)
+        # a value one log has at a step and the other does not
+        one = steps[gone_a ^ gone_b] if one_sided == "divergence" else steps[:0]
         if col == "prompt_ids_hash" or not (is_numeric_dtype(x) and is_numeric_dtype(y)):
-            same = x.astype(str) == y.astype(str)
-            bad = [int(s) for s in steps[~same.to_numpy()]]
+            same = (x.astype(str) == y.astype(str)).to_numpy() | (gone_a & gone_b)
+            bad = sorted([int(s) for s in steps[~same & ~(gone_a ^ gone_b)]] + [int(s) for s in one])
             metrics[col] = {"max_abs": 0.0 if not bad else math.inf, "max_rel": 0.0 if not bad else math.inf,
                             "mean_delta": 0.0, "step_max_abs": bad[0] if bad else None, "first_outside": bad[0]
                             if bad else None, "tolerance": "equal"}
@@ -108,28 +595,45 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
                 failures.append((bad[0], col))
             continue
         x, y = pd.to_numeric(x, errors="coerce").astype(float), pd.to_numeric(y, errors="coerce").astype(float)
-        both = x.notna() & y.notna()
-        if not both.any():
+        xv, yv = x.to_numpy(), y.to_numpy()
+        # a NaN or inf a run computed, on either side (both included): a divergence, never parity
+        nan_steps = steps[(~gone_a & ~np.isfinite(xv)) | (~gone_b & ~np.isfinite(yv))]
+        both = pd.Series(np.isfinite(xv) & np.isfinite(yv) & ~gone_a & ~gone_b, index=x.index)
+        bad_steps = sorted({int(s) for s in nan_steps} | {int(s) for s in one})
+        if not both.any() and not nan_steps.size:
+            if one_sided == "not_compared":
+                not_compared[col] = "steps"
             continue
-        d = (x - y).abs()[both]
-        rel = (d / y.abs()[both]).replace([np.inf], np.nan).where(d > 0, 0.0)
+        if nan_steps.size:
+            s0 = nan_steps[0]
+            non_finite.append(f"{col} at step {s0} (A={_val(x[s0], gone_a[steps.get_loc(s0)])}, "
+                              f"B={_val(y[s0], gone_b[steps.get_loc(s0)])})")
         t = tolerance_for(tol, mode, dtype, col)
-        outside = d > t.get("atol", 0.0) + t.get("rtol", 0.0) * y.abs()[both]
-        # a metric missing on one side at a step where the other has a number is a divergence too
-        one_sided = (x.isna() ^ y.isna())
-        bad_steps = sorted([int(s) for s in d.index[outside.to_numpy()]] +
-                           [int(s) for s in steps[one_sided.to_numpy()]])
-        metrics[col] = {
-            "max_abs": float(d.max()), "step_max_abs": int(d.idxmax()),
-            "max_rel": float(rel.max()) if rel.notna().any() else 0.0,
-            "step_max_rel": int(rel.idxmax()) if rel.notna().any() and rel.max() > 0 else None,
-            "mean_delta": float((x - y)[both].mean()),
-            "first_outside": bad_steps[0] if bad_steps else None, "tolerance": t,
-        }
-        if bad_steps and col in not_decisive:
+        if both.any():
+            d = (x - y).abs()[both]
+            rel = (d / y.abs()[both]).replace([np.inf], np.nan).where(d > 0, 0.0)
+            outside = d > t.get("atol", 0.0) + t.get("rtol", 0.0) * y.abs()[both]
+            bad_steps = sorted(set(bad_steps) | {int(s) for s in d.index[outside.to_numpy()]})
+            metrics[col] = {
+                "max_abs": float(d.max()), "step_max_abs": int(d.idxmax()),
+                "max_rel": float(rel.max()) if rel.notna().any() else 0.0,
+                "step_max_rel": int(rel.idxmax()) if rel.notna().any() and rel.max() > 0 else None,
+                "mean_delta": float((x - y)[both].mean()),
+            }
+        else:
+            metrics[col] = {"max_abs": math.nan, "step_max_abs": None, "max_rel": math.nan, "step_max_rel": None,
+                            "mean_delta": math.nan}
+        metrics[col].update({"first_outside": bad_steps[0] if bad_steps else None, "tolerance": t,
+                             "steps_compared": int(both.sum())})
+        if nan_steps.size:
+            metrics[col]["non_finite_steps"] = [int(s) for s in nan_steps[:20]]
+        if bad_steps and col in not_decisive and not nan_steps.size:
             metrics[col]["decisive"] = False
         elif bad_steps:
             failures.append((bad_steps[0], col))
+    if non_finite:
+        notes.append("NaN or inf (a divergence at that step, also when both sides have it): "
+                     + "; ".join(non_finite[:6]) + (" ..." if len(non_finite) > 6 else ""))
     if not_decisive:
         notes.append(f"{procs[0]} vs {procs[1]} processes: {', '.join(sorted(not_decisive & set(metrics)))} are "
                      "averaged per micro-step across processes on one side and per micro-batch on the other; "
@@ -149,11 +653,24 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
     first = {"step": failures[0][0], "metric": failures[0][1]} if failures else None
     return {"mode": mode, "dtype": dtype, "steps": [len(a), len(b)], "first_divergence": first,
             "outside": sorted({m for _, m in failures}), "only_in_a": only_a, "only_in_b": only_b,
-            "metrics": metrics, "notes": notes + [p for p in a.attrs.get("problems", []) + b.attrs.get("problems", [])]}
+            "not_compared": sorted(not_compared), "not_compared_why": dict(sorted(not_compared.items())),
+            "one_sided": one_sided,
+            "metrics": metrics, "notes": notes + problems}
+
+
+def _bare(df: pd.DataFrame) -> pd.DataFrame:
+    out = df.copy(deep=False)
+    out.attrs = {}
+    return out
+
+
+def _val(v, absent: bool) -> str:
+    return "not logged" if absent else repr(float(v)) if isinstance(v, (int, float, np.floating)) else repr(v)
 
 
 def compare_runs(run_a, run_b, *, mode: str = "lockstep", dtype: str | None = None,
                  tolerance_file: str | Path | None = None) -> dict:
+    """Two runs of the built-in sides (the matrix, attribution): a metric or value one side lacks is a divergence."""
     from harness.runlog.params import relative_l2
 
     a, b = load_any_run(run_a), load_any_run(run_b)
@@ -168,21 +685,38 @@ def compare_runs(run_a, run_b, *, mode: str = "lockstep", dtype: str | None = No
 def format_comparison(result: dict, names=("A", "B"), top: int = 15) -> str:
     lines = []
     fd = result["first_divergence"]
-    lines.append(f"verdict: {'parity' if fd is None else 'diverged'} ({result['mode']}, {result['dtype']}; "
-                 f"{result['steps'][0]} vs {result['steps'][1]} steps)")
+    unit = "round" if result.get("align") == "round" else "step"
+    if result["mode"] == "free":
+        how = f"free, {result['seeds'][0]} vs {result['seeds'][1]} seeds, {result['steps'][0]} {unit}s; {result['statistic']}"
+    else:
+        how = f"{result['mode']}, {result['dtype']}; {result['steps'][0]} vs {result['steps'][1]} {unit}s"
+    lines.append(f"verdict: {'parity' if fd is None else 'diverged'} ({how})")
     if fd:
-        lines.append(f"first divergence: step {fd['step']}, {fd['metric']}")
+        lines.append(f"first divergence: {unit} {fd['step']}, {fd['metric']}")
+    for s in result.get("suspected", []):
+        lines.append(f"suspected: {s['check']} ({s['evidence']})")
+    if result.get("suspected"):
+        lines.append("  (from the curves alone: compare re-runs nothing; `python -m harness parity` confirms a cause by "
+                     "re-running with it aligned)")
     for n in result["notes"]:
         lines.append(f"note: {n}")
-    if result["only_in_a"] or result["only_in_b"]:
+    if result.get("one_sided") == "not_compared":
+        why = result.get("not_compared_why") or {m: "" for m in result.get("not_compared", [])}
+        for code, words in (("a", f"only {names[0]} logs them"), ("b", f"only {names[1]} logs them"),
+                            ("steps", f"never logged by both at one {unit}"), ("", "")):
+            listed = [m for m, w in why.items() if w == code]
+            if listed:
+                lines.append(f"not compared{f' ({words})' if words else ''}: {', '.join(listed)}")
+    elif result["only_in_a"] or result["only_in_b"]:
         lines.append(f"only in {names[0]}: {', '.join(result['only_in_a']) or '-'}")
         lines.append(f"only in {names[1]}: {', '.join(result['only_in_b']) or '-'}")
-    lines.append(f"{'metric':42s} {'max |delta|':>12s} {'at step':>8s} {'max rel':>10s} {'mean delta':>12s} "
+    lines.append(f"{'metric':42s} {'max |delta|':>12s} {'at ' + unit:>8s} {'max rel':>10s} {'mean delta':>12s} "
                  f"{'first outside':>14s}")
     ordered = sorted(result["metrics"].items(), key=lambda kv: (kv[1]["first_outside"] is None,
                                                                  kv[1]["first_outside"] or 0, kv[0]))
     for name, m in ordered[:top] if top else ordered:
         fo = m["first_outside"]
-        lines.append(f"{name:42s} {m['max_abs']:>12.3g} {str(m.get('step_max_abs') or '-'):>8s} "
-                     f"{m['max_rel']:>10.3g} {m['mean_delta']:>12.3g} {str(fo) if fo else '-':>14s}")
+        at = m.get("step_max_abs")
+        lines.append(f"{name:42s} {m['max_abs']:>12.3g} {'-' if at is None else str(at):>8s} "
+                     f"{m['max_rel']:>10.3g} {m['mean_delta']:>12.3g} {'-' if fo is None else str(fo):>14s}")
     return "\n".join(lines)

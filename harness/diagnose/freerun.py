@@ -15,7 +15,9 @@ A percentile bootstrap over 3 seeds per side, tried first, raised a false alarm 
 with 3 seeds its intervals are far too narrow.
 
 Counts and hashes that do not depend on sampling (prompts per step, prompt_ids_hash, learning rate)
-are compared exactly, seed by seed; a TRL metric logged on one side only is a divergence too.
+are compared exactly, seed by seed; a TRL metric logged on one side only is a divergence too (between the
+built-in sides; `one_sided="not_compared"`, for other people's logs, lists it instead). A NaN or inf that a
+run logged for a compared metric is a divergence at that step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import math
 
 import numpy as np
 
-from harness.diagnose.compare import compare_frames, load_any_run, load_tolerances
+from harness.diagnose.compare import (CompareInputError, Inputs, absent_at, compare_frames, finish_inputs,
+                                      input_mode, load_any_run, load_tolerances)
 
 FREE_METRICS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length")
 EXACT_FREE = ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "learning_rate", "epoch")
@@ -101,13 +104,15 @@ def windowed_t(A: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 
 
 def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: int = DEFAULT_WINDOWS,
-                 metrics=FREE_METRICS, paired: bool = True) -> dict:
-    """Free-run comparison of two sets of seeds. `paired`: run i of each side used the same seed, so the fields
-    that do not depend on sampling are compared exactly, pair by pair (off for null pairs of different seeds)."""
+                 metrics=FREE_METRICS, paired: bool = True, one_sided: str = "divergence") -> dict:
+    """Free-run comparison of two sets of seeds (run folders or loaded frames). `paired`: run i of each side used
+    the same seed, so the fields that do not depend on sampling are compared exactly, pair by pair (off for null
+    pairs of different seeds). `one_sided`: a metric only one side logs is a "divergence" (the built-in sides) or
+    "not_compared" (listed in `not_compared`)."""
     if len(runs_a) < 2 or len(runs_b) < 2:
         raise ValueError("free-run parity needs at least 2 seeds per side to estimate the noise floor")
-    A_frames = [load_any_run(r) for r in runs_a]
-    B_frames = [load_any_run(r) for r in runs_b]
+    A_frames = [r if hasattr(r, "columns") else load_any_run(r) for r in runs_a]
+    B_frames = [r if hasattr(r, "columns") else load_any_run(r) for r in runs_b]
     steps = min(len(f) for f in A_frames + B_frames)
     windows = max(1, min(windows, steps))
     k = steps // windows
@@ -117,35 +122,53 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
               "statistic": f"windowed pooled-variance t, {windows} windows, Bonferroni over windows x metrics, "
                            f"family-wise alpha {alpha}", "t_critical": crit, "metrics": {}, "notes": []}
     failures = []
+
+    def at(pos: int) -> int:  # a position in the runs -> its step (the same for harness runs: steps 1..N)
+        label = A_frames[0].index[pos]
+        return int(label) if float(label).is_integer() else label
+
     for m in present:
+        # a NaN or inf a run logged (not a step it did not log): a divergence at that step
+        bad = [int(pos) for f in A_frames + B_frames for pos in
+               np.nonzero(~np.isfinite(f[m].to_numpy(dtype=float)[:steps]) & ~absent_at(f, m, f.index[:steps]))[0]]
         A = np.stack([window_means(f[m].to_numpy(dtype=float)[:steps], windows) for f in A_frames])
         B = np.stack([window_means(f[m].to_numpy(dtype=float)[:steps], windows) for f in B_frames])
         delta, floor, t = windowed_t(A, B)
         over = np.nonzero(t > crit)[0]
-        first = int(over[0]) * k + 1 if len(over) else None
+        first = at(int(over[0]) * k) if len(over) else None
+        if bad:
+            first = at(min(bad)) if first is None else min(first, at(min(bad)))
         scale = np.maximum(np.abs(B.mean(0)), 1e-30)
-        result["metrics"][m] = {"max_abs": float(np.abs(delta).max()), "step_max_abs": int(np.abs(delta).argmax()) * k + 1,
+        result["metrics"][m] = {"max_abs": float(np.abs(delta).max()), "step_max_abs": at(int(np.abs(delta).argmax()) * k),
                                 "max_rel": float((np.abs(delta) / scale).max()), "mean_delta": float(delta.mean()),
                                 "noise_floor": [float(x) for x in floor], "t": [float(x) for x in t],
                                 "window_delta": [float(x) for x in delta], "first_outside": first,
                                 "tolerance": {"t_critical": crit}}
+        if bad:
+            result["metrics"][m]["non_finite_steps"] = sorted({at(p) for p in bad})[:20]
+            result["notes"].append(f"{m}: NaN or inf at step {at(min(bad))} (a divergence)")
         if first is not None:
             failures.append((first, m))
     # sampling-free fields, seed by seed; and metrics logged on one side only
     tol = load_tolerances()
-    only_a, only_b = set(), set()
+    only_a, only_b, why = set(), set(), {}
     for fa, fb in zip(A_frames, B_frames):
-        pair = compare_frames(fa, fb, tolerances=tol)
+        pair = compare_frames(fa, fb, tolerances=tol, one_sided=one_sided)
         only_a |= set(pair["only_in_a"])
         only_b |= set(pair["only_in_b"])
+        why.update(pair.get("not_compared_why", {}))
         for name in EXACT_FREE if paired else ():
             mm = pair["metrics"].get(name)
             if mm is not None and mm["first_outside"] is not None:
                 failures.append((mm["first_outside"], name))
                 result["metrics"].setdefault(name, mm)
     result["only_in_a"], result["only_in_b"] = sorted(only_a), sorted(only_b)
-    for name in sorted(only_a | only_b):
-        failures.append((1, name))
+    result["one_sided"] = one_sided
+    if one_sided == "not_compared":
+        result["not_compared"], result["not_compared_why"] = sorted(why), dict(sorted(why.items()))
+    else:
+        for name in sorted(only_a | only_b):
+            failures.append((1, name))
     from harness.diagnose.compare import PRIORITY
 
     rank = {m: i for i, m in enumerate(PRIORITY)}
@@ -153,3 +176,19 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
     result["first_divergence"] = {"step": failures[0][0], "metric": failures[0][1]} if failures else None
     result["outside"] = sorted({m for _, m in failures})
     return result
+
+
+def compare_free_inputs(inputs: Inputs, *, alpha: float = 0.05, evidence=None) -> dict:
+    """`compare` on several seeds per side of anyone's logs (compare.load_inputs): the statistic above, never
+    lockstep's tolerances; a metric one side logs is listed as not compared. The fields that do not depend on
+    sampling are compared seed by seed only when both sides hold the same seed folders (seed-N)."""
+    input_mode(inputs, "free")
+    if not any(all(m in f.columns for f in inputs.a + inputs.b) for m in FREE_METRICS):
+        raise CompareInputError(f"free runs compare {', '.join(FREE_METRICS)}; none of them is in every run of both "
+                                "sides: name your columns with --map OURS=THEIRS")
+    paired = [p.name for p in inputs.paths[0]] == [p.name for p in inputs.paths[1]]
+    result = compare_free(inputs.a, inputs.b, alpha=alpha, paired=paired, one_sided="not_compared")
+    result["notes"].append(f"free runs: {', '.join(m for m in FREE_METRICS if m in result['metrics'])} against the "
+                           "seed-to-seed noise floor" + ("; counts and hashes seed by seed (the same seed folders on "
+                                                         "both sides)" if paired else ""))
+    return finish_inputs(result, inputs, evidence)
