@@ -63,6 +63,15 @@ def test_two_differences_are_explained_in_trl_terms_and_the_table_gives_parity(t
     assert again["cells"][0]["verdict"] == "parity", again["cells"][0]["first_divergence"]
 
 
+def test_free_mode_runs_your_loop_once_per_seed(tmp_path):
+    doc = run_matrix(loop_spec(EXAMPLE, "STEPS=4", "FREE_SEEDS=2"), tmp_path, "none", mode="free", **QUIET)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "parity", cell.get("first_divergence") or cell.get("error")
+    seeds = sorted(p.name for p in (tmp_path / "yours-vs-trl" / "yours").glob("seed-*"))
+    assert seeds == ["seed-42", "seed-43"]
+    assert not (tmp_path / "yours-vs-trl" / "loop_rollouts.jsonl").exists()  # it sampled for itself
+
+
 def test_against_both_and_scratch(tmp_path):
     doc = run_matrix(loop_spec(EXAMPLE, "STEPS=4", 'loop.against="both"'), tmp_path, "none", **QUIET)
     assert [c["name"] for c in doc["cells"]] == ["yours-vs-trl", "yours-vs-scratch"]

@@ -322,8 +322,9 @@ def headline(doc: dict) -> dict:
         if c.get("verdict") in ("failed", "error"):
             return {"sentence": f"The run could not finish: {c.get('error')}", "items": []}
         if not fd:
-            return {"sentence": f"The two loops agree on every step within tolerance ({doc.get('mode')} mode).",
-                    "items": []}
+            within = ("within the seed-to-seed noise (free mode)" if doc.get("mode") == "free"
+                      else "on every step within tolerance (lockstep mode)")
+            return {"sentence": f"The two loops agree {within}.", "items": []}
         why = _fix_sentence(c)
         sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
         confirmed = any(d.get("status") == "confirmed" for d in c.get("attribution_detail") or [])

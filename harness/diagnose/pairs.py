@@ -80,13 +80,9 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str) -> dict:
     from harness.diagnose.compare import compare_frames, load_any_run, load_tolerances
 
     a, b = load_any_run(a_dir), load_any_run(b_dir)
-    shared = [c for c in a.columns if c in b.columns]
-    not_compared = sorted(set(a.columns) ^ set(b.columns))
-    a2, b2 = a[shared].copy(), b[shared].copy()
-    a2.attrs, b2.attrs = a.attrs, b.attrs
-    result = compare_frames(a2, b2, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances())
+    result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), one_sided="not_compared")
     result["runs"] = [str(a_dir), str(b_dir)]
-    result["not_compared"] = not_compared
+    not_compared = sorted(set(a.columns) ^ set(b.columns))
     if not_compared:
         result["notes"].append(f"not compared (logged by one side only): {', '.join(not_compared[:12])}"
                                + (" ..." if len(not_compared) > 12 else ""))
@@ -119,6 +115,8 @@ def run_free_pair(spec, out_dir: Path, progress: bool = False, seeds: int | None
             d = Path(out_dir) / side / f"seed-{spec.SEED + i}"
             _train(side, seeded, d, progress)
             runs[side].append(d)
-    result = compare_free(runs[sides[0]], runs[sides[1]])
+    # a user's loop logs what it logs: metrics only one side has are listed, not counted as a divergence
+    result = compare_free(runs[sides[0]], runs[sides[1]],
+                          one_sided="not_compared" if "yours" in sides else "divergence")
     result["runs"] = {k: [str(p) for p in v] for k, v in runs.items()}
     return result
