@@ -3,8 +3,13 @@
 The harness cannot flip switches inside a user's loop, so attribution turns around: replaying the same lockstep
 rollouts, it re-runs TRL with candidate `[trl]` settings and compares each run with your loop's log. It starts
 from the spec's own translation, changes one field at a time in the lesson's order (loss_type, then advantage
-scaling, then the optimizer and schedule fields), and, when no single change reaches parity, keeps the change
-that brought TRL closest and tries the others on top of it (a greedy search, `MAX_DEPTH` fields at most).
+scaling, KL, passes per generation, clip bounds, then the optimizer and schedule fields), and, when no single
+change reaches parity, keeps the change that brought TRL closest and tries the others on top of it (a greedy
+search, `MAX_DEPTH` fields at most).
+
+Not searched: the batch mapping and steps_per_generation (a TRL run that asks for other prompts per round than
+the recording holds breaks lockstep; the preflight and `--mode free` cover them), and what TRL has no setting
+for (a population std, say): then the closest candidate is reported with the step and metric where it parts.
 
 Closeness of a candidate: per compared metric and step, how far the difference is outside tolerance,
 `log10(1 + |a - b| / (atol + rtol |b|))`, averaged over steps and metrics (0 = within tolerance everywhere).
@@ -34,6 +39,8 @@ def candidates(spec, trl_kwargs: dict, your_metrics: set[str]) -> list[tuple[str
     if "kl" in your_metrics:  # a KL term only shows where the loop logs it
         out += [("beta", b) for b in (0.001, 0.01, 0.04, 0.1)]
     out += [("num_iterations", 2)]
+    # clip bounds bind only where the ratio leaves 1 (several passes or steps per generation, an IS sampler)
+    out += [("epsilon_high", e) for e in (0.2, 0.28)] + [("epsilon", e) for e in (0.1, 0.2)]
     out += [("lr_scheduler_type", s) for s in ("constant", "linear")]
     out += [("adam_beta2", b) for b in (0.999, 0.99, 0.98)]
     out += [("adam_beta1", 0.9)]
