@@ -28,12 +28,20 @@ env: $(STAMP)
 # curves that split, which lockstep cannot show (both sides score the same completions). DEMO= skips it.
 DEMO ?= harness/specs/lengths.toml
 
+# The lesson's user's three mistakes at once (~40 s): one diverged cell, each mistake confirmed with its share of
+# the gap. LESSON= skips it.
+LESSON ?= harness/specs/lesson-mistakes.toml
+
 parity: $(STAMP)
 	$(PY) -m harness parity --spec $(SPEC) --out $(OUT)
+	@if [ -n "$(LESSON)" ]; then \
+	  echo; echo "== the lesson's three mistakes at once: $(LESSON)"; \
+	  $(PY) -m harness parity --spec $(LESSON) --matrix none --out $(OUT)-lesson; \
+	fi
 	@if [ -n "$(DEMO)" ]; then \
 	  echo; echo "== loss_type in free runs: $(DEMO) (scratch sequence vs TRL grpo, and vs TRL's default dapo)"; \
 	  $(PY) -m harness parity --spec $(DEMO) --mode free --cells matched,loss_type=dapo --out $(OUT)-lengths && \
-	  echo && echo "reports: $(OUT)/report.html (lockstep matrix), $(OUT)-lengths/report.html (length split); index: $$(dirname $(OUT))/index.html"; \
+	  echo && echo "reports: $(OUT)/report.html (lockstep matrix), $(OUT)-lesson/report.html (three mistakes), $(OUT)-lengths/report.html (length split); index: $$(dirname $(OUT))/index.html"; \
 	fi
 
 test: $(STAMP)

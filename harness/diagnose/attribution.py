@@ -1,20 +1,22 @@
-"""Attribution: name the cause of a divergence, and confirm it by a re-run with only that difference aligned.
+"""Attribution: name the causes of a divergence, and confirm them by re-runs with differences aligned.
 
-The preflight lists what differs between the sides; `attribute` walks those differences in the
-lesson's order (batch, loss_type, importance_sampling, then any other field), re-runs the pair with one
-difference aligned, and calls the cause confirmed when the divergence disappears; otherwise it stays a
-suspicion worded from the curves (`_evidence`). A difference that the runs show no effect of says why
-when the harness can tell (`NO_EFFECT_WHY`).
+The preflight lists what differs between the sides, labelled by the lesson's checks (batch, loss_type,
+importance_sampling) or `other:<field>`. One difference: a re-run with it aligned confirms it when the
+divergence disappears. Several at once (the normal case when a loop is ported): `CauseSearch` aligns all of
+them, then finds by delta debugging which are each needed for parity, and gives each confirmed cause its share
+of the gap. Re-runs are cached by the resolved spec within a matrix (`reset_cache` at its start). A difference
+that the runs show no effect of says why when the harness can tell (`NO_EFFECT_WHY`). A user's own loop goes to
+`explain` instead (the preflight cannot see inside it).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from harness.diagnose import pairs
 from harness.diagnose.preflight import CHECK_ORDER, alignment_for, apply_alignment, fix_for, preflight
 
-MAX_CONFIRMATIONS = 3
 _SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
 _CLIP_ONLY = ("clipping binds only where the policy ratio leaves 1: NUM_ITERATIONS > 1, or an IS sampler; with one "
               "pass per generation the ratio is exactly 1")
@@ -48,7 +50,15 @@ def _evidence(check: str, result: dict) -> str | None:
 
 
 def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log) -> list[dict]:
-    """Name the cause of a divergence and confirm it by re-running with only that difference aligned."""
+    """Name the causes of a divergence and confirm them by re-runs with differences aligned.
+
+    One difference: a re-run with it aligned confirms it when the divergence disappears. Several: align all of
+    them (no parity then: `unexplained`, a bug on one side or a difference the preflight cannot see), then drop
+    alignments, by halves and then one by one (delta debugging, at most about 2n re-runs for n differences),
+    keeping a drop whenever parity holds without it. What is left is a set whose alignment was seen to give
+    parity (sufficient) and each of whose members is needed (necessary): each is `confirmed`, the rest have
+    `no measured effect`. With two or more causes, each gets its share of the gap at the last step, from a
+    re-run with only that cause left different."""
     if "yours" in getattr(cell, "sides", ()):
         return _attribute_your_loop(cell, result, cell_dir, mode, log)
     _tr, diffs, _facts = preflight(cell.spec)
@@ -58,35 +68,157 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
             checks.append(d.check)
     rank = {c: i for i, c in enumerate(CHECK_ORDER)}
     checks.sort(key=lambda c: rank.get(c, len(rank)))
-    diverged = result["first_divergence"] is not None
-    out = []
-    if not diverged:
+    fields = {c: sorted({f for d in diffs if d.check == c for f in d.fields}) for c in checks}
+    if result["first_divergence"] is None:
         why = (lambda c: NO_EFFECT_WHY.get(c, "the preflight lists it, but the runs agree within tolerance")) \
             if mode == "lockstep" else (lambda c: FREE_NO_EFFECT)
-        return [{"cause": c, "status": "no measured effect", "evidence": why(c),
-                 "fields": sorted({f for d in diffs if d.check == c for f in d.fields})} for c in checks]
-    confirmations = 0
-    for check in checks:
-        entry = {"cause": check, "fields": sorted({f for d in diffs if d.check == check for f in d.fields}),
-                 "evidence": _evidence(check, result), "fix": fix_for(cell.spec, diffs, check)}
-        if confirmations < MAX_CONFIRMATIONS and not any(e["status"] == "confirmed" for e in out):
-            confirmations += 1
-            aligned = apply_alignment(cell.spec, alignment_for(diffs, check))
-            log(f"    confirming {check}: re-run with only it aligned")
-            try:
-                again = pairs.run_pair(aligned, cell_dir / f"confirm-{check.replace(':', '-')}", mode, progress)
-                entry["rerun_first_divergence"] = again["first_divergence"]
-                entry["status"] = "confirmed" if again["first_divergence"] is None else "suspected"
-            except Exception as e:  # a failing confirmation must not sink the cell
-                entry["status"] = "suspected"
-                entry["rerun_error"] = f"{type(e).__name__}: {e}"
-        else:
+        return [{"cause": c, "status": "no measured effect", "evidence": why(c), "fields": fields[c]} for c in checks]
+    if not checks:
+        return [{"cause": "unexplained", "status": "suspected", "fields": [],
+                 "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"}]
+    search = CauseSearch(cell.spec, diffs, checks, cell_dir, mode, progress, log)
+    causes = search.minimal_causes()
+    entries = []
+    for c in checks:
+        entry = {"cause": c, "fields": fields[c], "evidence": _evidence(c, result), "fix": fix_for(cell.spec, diffs, c)}
+        if causes is None:  # even everything aligned does not reach parity
             entry["status"] = "suspected"
-        out.append(entry)
-    if not out:
-        out.append({"cause": "unexplained", "status": "suspected", "fields": [],
-                    "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"})
-    out.sort(key=lambda e: e["status"] != "confirmed")
+        elif c in causes:
+            entry["status"] = "confirmed"
+            entry["rerun_first_divergence"] = None  # the set it belongs to, aligned, was seen at parity
+        else:
+            entry["status"] = "no measured effect"
+            entry["evidence"] = NO_EFFECT_WHY.get(c, "aligning it is not needed for parity: no measured effect at "
+                                                     "this config")
+        entries.append(entry)
+    if search.errors:
+        entries[0]["rerun_error"] = search.errors[0]
+    if causes is None:
+        entries.insert(0, {"cause": "unexplained", "status": "suspected", "fields": [],
+                           "evidence": "with every difference the preflight lists aligned the runs still part"
+                                       + (f" ({search.errors[0]})" if search.errors else "")
+                                       + ": a bug on one side, or a difference the preflight cannot see"})
+    elif len(causes) > 1:
+        shares = search.shares(causes)
+        for entry in entries:
+            if entry["cause"] in shares:
+                entry["share"] = shares[entry["cause"]]
+    for entry in entries:
+        entry["reruns"] = search.reruns
+    entries.sort(key=lambda e: {"confirmed": 0, "suspected": 1}.get(e["status"], 2))
+    return entries
+
+
+_RERUNS: dict[str, dict] = {}  # resolved spec + mode -> comparison: a re-run made once serves every cell of a matrix
+
+
+def reset_cache() -> None:
+    """Forget earlier re-runs (a new matrix: the code or the folders may have changed since)."""
+    _RERUNS.clear()
+
+
+class CauseSearch:
+    """Re-runs of one cell with a subset of its differences aligned, cached by the resolved spec."""
+
+    def __init__(self, spec, diffs, checks, cell_dir: Path, mode: str, progress: bool, log):
+        self.spec, self.diffs, self.checks = spec, diffs, checks
+        self.cell_dir, self.mode, self.progress, self.log = cell_dir, mode, progress, log
+        self.reruns = 0
+        self.errors: list[str] = []
+        self.results: dict[frozenset, dict | None] = {}
+
+    def run(self, aligned: frozenset) -> dict | None:
+        """The comparison with the checks in `aligned` aligned (None when the re-run failed)."""
+        if aligned in self.results:
+            return self.results[aligned]
+        align = {"set": {}, "drop_trl": []}
+        for c in sorted(aligned):
+            part = alignment_for(self.diffs, c)
+            align["set"].update(part["set"])
+            align["drop_trl"] += [k for k in part["drop_trl"] if k not in align["drop_trl"]]
+        spec = apply_alignment(self.spec, align)
+        key = json.dumps([spec.to_dict(), self.mode], sort_keys=True, default=str)
+        name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))
+        if key in _RERUNS:
+            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made earlier in this matrix, reused")
+            out = _RERUNS[key]
+        else:
+            self.reruns += 1
+            self.log(f"    re-run {self.reruns} (at most {2 * len(self.checks) + 1}): {', '.join(sorted(aligned))} "
+                     "aligned")
+            try:
+                out = pairs.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress)
+            except Exception as e:  # a failing re-run must not sink the cell
+                self.errors.append(f"{type(e).__name__}: {e}")
+                out = None
+            if out is not None:
+                _RERUNS[key] = out
+        self.results[aligned] = out
+        return out
+
+    def parity(self, aligned) -> bool:
+        out = self.run(frozenset(aligned))
+        return out is not None and out["first_divergence"] is None
+
+    def minimal_causes(self) -> list[str] | None:
+        """A 1-minimal set of checks whose alignment gives parity; None when aligning all of them does not."""
+        kept = list(self.checks)
+        if not self.parity(kept):
+            return None
+        chunk = max(1, len(kept) // 2)
+        while True:
+            i = 0
+            while i < len(kept):
+                rest = kept[:i] + kept[i + chunk:]
+                if rest and self.parity(rest):
+                    kept = rest  # the dropped ones are not needed: parity holds without aligning them
+                else:
+                    i += chunk
+            if chunk == 1:
+                return kept
+            chunk = max(1, chunk // 2)
+
+    def shares(self, causes: list[str]) -> dict[str, dict]:
+        """Per cause, its share of the gap at the last step (weights, loss, reward), from a re-run with only it
+        left different."""
+        gaps = {}
+        for c in causes:
+            out = self.run(frozenset(self.checks) - {c})
+            gaps[c] = _last_gaps(out) if out is not None else {}
+        shares = {c: {} for c in causes}
+        for metric in ("weights", "loss", "reward"):
+            total = sum(g.get(metric, 0.0) for g in gaps.values())
+            if total > 0 and all(metric in g for g in gaps.values()):
+                for c in causes:
+                    shares[c][metric] = gaps[c][metric] / total
+        return shares
+
+
+def _last_gaps(result: dict) -> dict[str, float]:
+    """|a - b| at the last shared step: the weights' relative L2 distance (lockstep), the loss and the reward."""
+    from harness.diagnose.compare import load_any_run
+    from harness.runlog.params import relative_l2
+
+    runs = result.get("runs")
+    if isinstance(runs, dict):  # free: each side's seeds, averaged at the last step
+        sides = list(runs.values())
+        frames = [[load_any_run(p) for p in paths] for paths in sides]
+    elif runs:
+        frames = [[load_any_run(runs[0])], [load_any_run(runs[1])]]
+    else:
+        return {}
+    out = {}
+    for metric in ("loss", "reward"):
+        ends = []
+        for side in frames:
+            vals = [float(f[metric].dropna().iloc[-1]) for f in side if metric in f and f[metric].notna().any()]
+            ends.append(sum(vals) / len(vals) if vals else None)
+        if None not in ends:
+            out[metric] = abs(ends[0] - ends[1])
+    if runs and not isinstance(runs, dict):
+        rel = relative_l2(runs[0], runs[1])
+        if rel:
+            out["weights"] = float(rel[-1])
     return out
 
 

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.diagnose.attribution import attribute
+from harness.diagnose.attribution import attribute, reset_cache
 from harness.diagnose.pairs import run_pair
 from harness.diagnose.preflight import apply_alignment, preflight
 from loop_runner.run import LoopError
@@ -178,6 +178,7 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
     independent cells in that many worker processes, one GPU each where there are GPUs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    reset_cache()
     cells = build_cells(base, matrix, processes)
     if only:
         unknown = sorted(set(only) - {c.name for c in cells})
@@ -265,11 +266,24 @@ def _dirname(name: str) -> str:
 
 
 def _cause(v: dict) -> str | None:
-    """The leading cause of a cell and its status, e.g. 'loss_type (confirmed)'."""
-    if not v.get("attribution_detail"):
+    """The cell's causes and their status, e.g. 'loss_type (confirmed)' or 'batch+loss_type (confirmed)'."""
+    detail = v.get("attribution_detail") or []
+    if not detail:
         return None
-    d = v["attribution_detail"][0]
+    confirmed = [d["cause"] for d in detail if d.get("status") == "confirmed"]
+    if len(confirmed) > 1:
+        return f"{'+'.join(confirmed)} (confirmed)"
+    d = detail[0]
     return f"{d['cause']} ({d['status']})"
+
+
+def share_words(entry: dict) -> str | None:
+    """'67% of the weight distance' (lockstep), else the share of the loss gap; None without shares."""
+    share = entry.get("share") or {}
+    for metric, words in (("weights", "the weight distance"), ("loss", "the loss gap")):
+        if metric in share:
+            return f"{100 * share[metric]:.0f}% of {words}"
+    return None
 
 
 def _cell_line(v: dict) -> str:
@@ -299,17 +313,35 @@ def format_verdict(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _fix_sentence(cell: dict) -> str | None:
-    """The cell's leading cause in words, with what to change (from the attribution's `fix`)."""
+def _fix_sentences(cell: dict) -> list[str]:
+    """The cell's causes in words, with what to change (from the attribution's `fix`): every confirmed cause with
+    its share of the gap, else the leading suspicion."""
     detail = cell.get("attribution_detail") or []
-    lead = next((d for d in detail if d.get("status") == "confirmed"), None) or \
-        next((d for d in detail if d.get("status") == "suspected"), None)
-    if lead is None:
-        return None
-    if lead.get("cause") == "unexplained":
-        return "no setting explains it: " + (lead.get("evidence") or "a bug on one side, or nondeterminism")
-    text = (lead.get("fix") or {}).get("sentence") or f"{lead['cause']} differs ({', '.join(lead.get('fields', []))})"
-    return text if lead["status"] == "confirmed" else f"suspected, not confirmed: {text}"
+    confirmed = [d for d in detail if d.get("status") == "confirmed"]
+    leads = confirmed or [d for d in detail if d.get("status") == "suspected"][:1]
+    out = []
+    for lead in leads:
+        if lead.get("cause") == "unexplained":
+            out.append("no setting explains it: " + (lead.get("evidence") or "a bug on one side, or nondeterminism"))
+            continue
+        text = (lead.get("fix") or {}).get("sentence") or \
+            f"{lead['cause']} differs ({', '.join(lead.get('fields', []))})"
+        share = share_words(lead)
+        if share:
+            text = f"{lead['cause']} ({share}): {text}"
+        out.append(text if lead["status"] == "confirmed" else f"suspected, not confirmed: {text}")
+    return out
+
+
+def _capital(text: str) -> str:
+    """A sentence's first letter up, unless it starts with a cause's name (batch, loss_type, ...)."""
+    head = text.split(" ", 1)[0]
+    return text if "_" in head or head in ("batch",) or head.startswith("other:") else text[:1].upper() + text[1:]
+
+
+def _fix_sentence(cell: dict) -> str | None:
+    found = _fix_sentences(cell)
+    return "; ".join(found) if found else None
 
 
 def headline(doc: dict) -> dict:
@@ -325,15 +357,18 @@ def headline(doc: dict) -> dict:
             within = ("within the seed-to-seed noise (free mode)" if doc.get("mode") == "free"
                       else "on every step within tolerance (lockstep mode)")
             return {"sentence": f"The two loops agree {within}.", "items": []}
-        why = _fix_sentence(c)
         sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
-        confirmed = any(d.get("status") == "confirmed" for d in c.get("attribution_detail") or [])
+        detail = c.get("attribution_detail") or []
+        confirmed = [d for d in detail if d.get("status") == "confirmed"]
+        reruns = max((d.get("reruns", 0) for d in detail), default=0)
         if confirmed and "yours" in c.get("sides", ()):
             sentence += " Re-running TRL on the same rollouts with other settings found what your loop does:"
+        elif len(confirmed) > 1:
+            sentence += (f" {len(confirmed)} differences together explain it: aligned, the runs agree, and each is "
+                         f"needed ({reruns} re-runs). Each, with its share of the gap at the last step:")
         elif confirmed:
-            sentence += " The cause, confirmed by a re-run with only it aligned:"
-        if why:
-            items.append(why[0].upper() + why[1:] + ".")
+            sentence += " The cause, confirmed by a re-run with it aligned:"
+        items += [_capital(why) + "." for why in _fix_sentences(c)]
         return {"sentence": sentence, "items": items}
     surprises = [c for c in cells if not c.get("ok")]
     if not surprises:
