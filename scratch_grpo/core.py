@@ -12,7 +12,7 @@ import math
 
 import torch
 
-LOSS_NORMS = ("sequence", "token_local", "token_global", "constant")
+LOSS_NORMS = ("sequence", "token_local", "token_global", "constant")  # TRL's grpo, bnpo, dapo, dr_grpo
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -31,8 +31,8 @@ def nanstd(x: torch.Tensor, dim: int | None = None, unbiased: bool = True, keepd
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
-                     eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_i = (r_i - mean(group)) / (std + eps).
+                     eps: float = 1e-4, eps_inside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = (r_i - mean(group)) / (std + eps), or / sqrt(var + eps) with `eps_inside` (a quirk; TRL adds eps).
 
     `rewards` (B,) are grouped in consecutive runs of `group_size`. `scale`: `group` divides by the
     group's std, `batch` by the std of all B rewards (the mean stays per group, as TRL), `none` not at
@@ -48,7 +48,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         sd = nanstd(grouped, dim=1, unbiased=unbiased).repeat_interleave(group_size)
     adv = rewards - mean
     if scale != "none":
-        adv = adv / (sd + eps)
+        adv = adv / (torch.sqrt(sd * sd + eps) if eps_inside else sd + eps)
     return torch.nan_to_num(adv, nan=0.0), sd
 
 
@@ -132,6 +132,45 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate from samples of pi_theta (Schulman's k1, k2, k3; TRL uses k3):
+    k1 = log r' = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(d) - d - 1 with d = ref - logp."""
+    if estimator == "k3":
+        return kl_k3(logp, ref_logp)
+    diff = logp - ref_logp
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff * diff
+    raise ValueError(f"unknown KL estimator {estimator!r}; one of {KL_ESTIMATORS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# which tokens the loss counts
+# ---------------------------------------------------------------------------------------------
+COMPLETION_MASKS = ("eos", "no_eos", "all")
+
+
+def loss_mask(mask: torch.Tensor, ends_with_eos: torch.Tensor, mode: str = "eos") -> torch.Tensor:
+    """The tokens the loss counts, from the completion mask (B, T; 1 on each completion's tokens, its eos
+    included) and whether each completion ends with an eos (B,): `eos` counts every completion token (TRL),
+    `no_eos` leaves the eos token out, `all` counts the padding after short completions too."""
+    if mode == "eos":
+        return mask
+    if mode == "all":
+        return torch.ones_like(mask)
+    if mode == "no_eos":
+        lengths = mask.sum(-1)
+        last = (lengths - 1).clamp(min=0)
+        drop = torch.zeros_like(mask)
+        drop[torch.arange(mask.size(0), device=mask.device), last] = ends_with_eos.to(mask.dtype) * (lengths > 0)
+        return mask - drop
+    raise ValueError(f"unknown completion mask {mode!r}; one of {COMPLETION_MASKS}")
+
+
 # ---------------------------------------------------------------------------------------------
 # the clipped surrogate
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +197,7 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, norm: str, grad_
     - `token_local`  (TRL bnpo):    sum / this micro-batch's active tokens, / grad_accum
     - `constant`     (TRL dr_grpo): sum / (sequences x max_tokens), / grad_accum
     - `token_global` (TRL dapo):    sum / active tokens of the whole step (`step_tokens`)
+    - `sum`          (no TRL match): the per-token losses summed, a quirk of some hand-written loops
     """
     masked = per_token * mask
     if norm == "sequence":
@@ -172,6 +212,8 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, norm: str, grad_
         if step_tokens is None:
             raise ValueError("norm='token_global' needs step_tokens")
         return masked.sum() / max(float(step_tokens), 1.0)
+    if norm == "sum":  # a quirk: no normalisation at all (TRL has none like it)
+        return masked.sum()
     raise ValueError(f"unknown loss normalization {norm!r}; one of {LOSS_NORMS}")
 
 

@@ -154,7 +154,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                          trainer_state=SimpleNamespace(global_step=step, max_steps=spec.STEPS), **columns)
                 rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N))
             rewards = (rewards_per_func * reward_w).nansum(dim=1)
-            advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS)
+            if spec.REWARD_CLIP > 0:  # a quirk: TRL takes the reward functions' sum as it is
+                rewards = rewards.clamp(-spec.REWARD_CLIP, spec.REWARD_CLIP)
+            advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
+                                                         spec.STD_EPS_INSIDE)
 
             # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
             p_ids, p_mask = pad_left(prompt_ids, pad_id)
@@ -164,9 +167,13 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
             if spec.MASK_TRUNCATED:
                 c_mask = c_mask * (~truncated).unsqueeze(1).long()
             p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
+            # the tokens the loss counts: the completion mask (TRL), or a quirk's (no eos, or the padding too)
+            ends_with_eos = torch.tensor([bool(ids) and ids[-1] in eos_ids for ids in completion_ids], device=device)
+            l_mask = core.loss_mask(c_mask, ends_with_eos, spec.COMPLETION_MASK)
             # token_global's denominator: the active tokens of one step's share of the round (TRL: num_items_in_batch
             # of the generation batch x gradient_accumulation_steps / steps_per_generation)
-            step_tokens = float(c_mask.sum()) / S
+            step_tokens = float(l_mask.sum()) / S
+            logp_temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE  # raw logits: a quirk
             generated_tokens = sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
             mb_size = N // (GA * S)
 
@@ -174,11 +181,17 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 with torch.no_grad(), autocast_for(device, spec.DTYPE):
                     return torch.cat([completion_forward(net, p_ids[s:s + mb_size], p_mask[s:s + mb_size],
                                                          c_ids[s:s + mb_size], c_mask[s:s + mb_size],
-                                                         spec.TEMPERATURE)[0] for s in range(0, N, mb_size)])
+                                                         logp_temperature)[0] for s in range(0, N, mb_size)])
 
             need_old = spec.LOGP_OLD == "forward" or mu > 1 or S > 1 or spec.IS_CORRECTION
             logp_old = no_grad_logps(model) if need_old else None
             ref_logps = no_grad_logps(ref_model) if ref_model is not None else None
+            if ref_logps is not None and spec.KL_IN_REWARD:  # a quirk: the KL penalty in the reward, not the loss
+                now = logp_old if logp_old is not None else no_grad_logps(model)
+                seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1).cpu()
+                rewards = rewards - spec.BETA * seq_kl
+                advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
+                                                             spec.STD_EPS_INSIDE)
             is_w, mismatch = None, {}
             if sampler_logps is not None:
                 s_lp = pad_right(sampler_logps, 0.0, dtype=torch.float32)[0].to(device)
@@ -206,7 +219,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 for mb in micro_batches:
                     with autocast_for(device, spec.DTYPE):
                         logp, logits = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
-                                                          spec.TEMPERATURE, with_entropy=True)
+                                                          logp_temperature, with_entropy=True)
                     mask = c_mask[mb].float()
                     entropy = core.token_entropy(logits.detach(), spec.TEMPERATURE)
                     old = logp_old[mb] if logp_old is not None else logp.detach()
@@ -216,12 +229,14 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                         per_token = per_token * is_w[mb]
                     stats = {"entropy": core.masked_mean(entropy, mask)}
                     if ref_logps is not None:
-                        kl = core.kl_k3(logp, ref_logps[mb])
+                        kl = core.kl_estimate(logp, ref_logps[mb], spec.KL_ESTIMATOR)
                         if spec.KL_IS_CORRECTION:
                             kl = kl * rho
-                        per_token = per_token + spec.BETA * kl
+                        if not spec.KL_IN_REWARD:
+                            per_token = per_token + spec.BETA * kl
                         stats["kl"] = core.masked_mean(kl.detach(), mask)
-                    loss = core.aggregate_loss(per_token, mask, spec.LOSS_NORM, GA, spec.MAX_TOKENS, step_tokens)
+                    loss = core.aggregate_loss(per_token, l_mask[mb].float(), "sum" if spec.LOSS_SUM else spec.LOSS_NORM,
+                                               GA, spec.MAX_TOKENS, step_tokens)
                     loss.backward()
                     step_loss += loss.item()
                     stats.update(core.clip_stats(rho.detach(), adv[mb], mask, spec.CLIP_LOW, spec.CLIP_HIGH))

@@ -220,3 +220,52 @@ def test_lean_logprobs_and_entropy_match_the_plain_expressions():
     torch.testing.assert_close(core.token_logprobs(bf, targets, 0.7),
                                torch.log_softmax(bf.float() / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1),
                                rtol=0, atol=1e-5)
+
+
+# ---- quirks of hand-written loops ------------------------------------------------------------------------------
+def test_std_eps_inside_the_square_root():
+    # [1, 0, 0, 1]: Bessel var = 1/3; eps 0.01 inside: A = 0.5 / sqrt(1/3 + 0.01) = 0.5 / 0.585947 = 0.853320
+    # outside (TRL): 0.5 / (0.577350 + 0.01) = 0.851283
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    inside, _ = core.group_advantages(r, 4, eps=0.01, eps_inside=True)
+    outside, _ = core.group_advantages(r, 4, eps=0.01)
+    close(inside[0], 0.5 / math.sqrt(1 / 3 + 0.01))
+    close(outside[0], 0.5 / (math.sqrt(1 / 3) + 0.01))
+    assert abs(float(inside[0]) - 0.853320) < 1e-5 and abs(float(outside[0]) - 0.851283) < 1e-5
+
+
+def test_kl_estimators_by_hand():
+    # logp = -1, ref = -2: d = ref - logp = -1; k1 = logp - ref = 1; k2 = 1^2 / 2 = 0.5;
+    # k3 = exp(-1) - (-1) - 1 = 0.367879
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
+    close(core.kl_estimate(logp, ref, "k1"), [1.0])
+    close(core.kl_estimate(logp, ref, "k2"), [0.5])
+    close(core.kl_estimate(logp, ref, "k3"), [math.exp(-1)])
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        core.kl_estimate(logp, ref, "k4")
+
+
+def test_loss_mask_eos_and_padding():
+    # completion A: 3 tokens ending with eos; B: 2 tokens cut at the limit (no eos), then one pad
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    eos = torch.tensor([True, False])
+    assert core.loss_mask(mask, eos, "eos").tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert core.loss_mask(mask, eos, "no_eos").tolist() == [[1, 1, 0], [1, 1, 0]]  # only A had an eos to drop
+    assert core.loss_mask(mask, eos, "all").tolist() == [[1, 1, 1], [1, 1, 1]]  # the pad counts too
+
+
+def test_summed_loss_has_no_normaliser():
+    # per-token [[1, 2, 3], [4, 5, 0]] with mask [[1,1,1],[1,1,0]]: sum = 15 (vs the sequence mean (2 + 4.5)/2 = 3.25)
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    close(core.aggregate_loss(per_token, mask, "sum", grad_accum=2), 15.0)
+    close(core.aggregate_loss(per_token, mask, "sequence", grad_accum=1), 3.25)
+
+
+def test_log_probs_on_raw_logits_differ_from_tempered_ones():
+    # logits [0, ln 3]: raw softmax [1/4, 3/4] -> log(3/4) = -0.287682; at temperature 0.5 the logits become
+    # [0, 2 ln 3], softmax [1/10, 9/10] -> log(9/10) = -0.105361 (the LOGP_ON_RAW_LOGITS quirk takes the first)
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    target = torch.tensor([[1]])
+    close(core.token_logprobs(logits, target, 1.0), [[math.log(0.75)]])
+    close(core.token_logprobs(logits, target, 0.5), [[math.log(0.9)]])

@@ -58,3 +58,29 @@ def test_a_divergence_no_difference_explains_is_unexplained(tmp_path, monkeypatc
     detail = doc["cells"][0]["attribution_detail"]
     assert detail[0]["cause"] == "unexplained" and "still part" in detail[0]["evidence"]
     assert all(d["status"] != "confirmed" for d in detail)
+
+
+@pytest.mark.parametrize("overrides, quirk", [
+    (['COMPLETION_MASK="no_eos"'], "COMPLETION_MASK"),
+    (['COMPLETION_MASK="all"'], "COMPLETION_MASK"),
+    (["LOGP_ON_RAW_LOGITS=true", "TEMPERATURE=0.7"], "LOGP_ON_RAW_LOGITS"),
+    (['KL_ESTIMATOR="k1"', "BETA=0.5"], "KL_ESTIMATOR"),
+    (["KL_IN_REWARD=true", "BETA=0.5"], "KL_IN_REWARD"),
+    (["STD_EPS_INSIDE=true"], "STD_EPS_INSIDE"),  # at TRL's eps 1e-4: sqrt(var + 1e-4) vs std + 1e-4
+    (["LOSS_SUM=true"], "LOSS_SUM"),
+    (["REWARD_CLIP=0.2"], "REWARD_CLIP"),
+])
+def test_a_scratch_quirk_against_trl_is_explained_as_that_quirk(tmp_path, overrides, quirk):
+    doc = run_matrix(small_spec(*overrides), tmp_path, "none", **QUIET)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "diverged", cell.get("error")
+    lead = cell["attribution_detail"][0]
+    assert (lead["cause"], lead["status"]) == (f"quirk:{quirk}", "confirmed"), cell["attribution_detail"]
+    assert "TRL" in lead["fix"]["sentence"] and lead["fix"]["trl"] == {}  # TRL has no setting: said plainly
+
+
+def test_a_quirk_that_cannot_show_has_no_measured_effect(tmp_path):
+    doc = run_matrix(small_spec("LOGP_ON_RAW_LOGITS=true"), tmp_path, "none", **QUIET)  # TEMPERATURE = 1
+    detail = doc["cells"][0]["attribution_detail"]
+    assert doc["cells"][0]["verdict"] == "parity"
+    assert detail[0]["status"] == "no measured effect" and "TEMPERATURE = 1" in detail[0]["evidence"]

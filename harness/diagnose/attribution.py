@@ -24,7 +24,8 @@ FREE_NO_EFFECT = ("free run: the two sides differ by less than the seed-to-seed 
                   "steps; run --mode lockstep (same rollouts on both sides), or more seeds or steps")
 NO_EFFECT_WHY = {"other:top_k": _SAMPLING_ONLY, "other:top_p": _SAMPLING_ONLY, "other:min_p": _SAMPLING_ONLY,
                  "other:repetition_penalty": _SAMPLING_ONLY, "other:epsilon_high": _CLIP_ONLY,
-                 "other:epsilon": _CLIP_ONLY, "other:delta": _CLIP_ONLY}
+                 "other:epsilon": _CLIP_ONLY, "other:delta": _CLIP_ONLY,
+                 "quirk:LOGP_ON_RAW_LOGITS": "at TEMPERATURE = 1 the logits and logits / temperature are the same"}
 
 
 # ---------------------------------------------------------------------------------------------

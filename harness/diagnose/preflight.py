@@ -54,6 +54,28 @@ def _scratch_lr_name(spec) -> str:
     return "constant_with_warmup" if spec.WARMUP_STEPS else "constant"
 
 
+# spec field -> (what TRL always does, the quantity's name, what the scratch loop does instead, in words)
+QUIRKS = {
+    "COMPLETION_MASK": ("eos", "completion tokens the loss counts", {
+        "no_eos": "leaves the eos token out of the loss; TRL counts it and has no option to drop it",
+        "all": "counts the padding after short completions in the loss; TRL masks it and has no option to count it"}),
+    "LOGP_ON_RAW_LOGITS": (False, "log-probs on raw logits", {
+        True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option not to"}),
+    "KL_ESTIMATOR": ("k3", "KL estimator", {
+        "k1": "estimates the KL with k1 (logp - ref); TRL uses k3 and has no option for another",
+        "k2": "estimates the KL with k2 ((logp - ref)^2 / 2); TRL uses k3 and has no option for another"}),
+    "KL_IN_REWARD": (False, "KL penalty in the reward", {
+        True: "puts the KL penalty in the reward; TRL adds it to the loss and has no option to move it"}),
+    "STD_EPS_INSIDE": (False, "std epsilon inside the square root", {
+        True: "divides by sqrt(var + eps); TRL divides by std + eps and has no option for the other"}),
+    "LOSS_SUM": (False, "loss summed, not averaged", {
+        True: "sums the per-token losses without normalising; no TRL loss_type does that"}),
+    "REWARD_CLIP": (0.0, "reward clipped to +-", {
+        "*": "clips the summed reward; TRL uses the reward functions' sum as it is (clip inside your reward function "
+             "to match)"}),
+}
+
+
 def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, dict]:
     """Per quantity: (value on the scratch side, value on the TRL side, fields, check, alignment)."""
     kw = tr.kwargs
@@ -154,6 +176,11 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
     other("reward weights", [float(w) for w in spec.rewards.weights],
           [float(w) for w in kw["reward_weights"]] if kw.get("reward_weights") is not None else None,
           "reward_weights", "rewards.weights")
+    # quirks of hand-written loops: scratch-loop fields TRL has no setting for (TRL always does the default)
+    for key, (default, quantity, _words) in QUIRKS.items():
+        if key.startswith("KL_") and not spec.BETA:
+            continue  # no KL term, nothing for the estimator or its place to change
+        q[quantity] = (getattr(spec, key), default, (key,), f"quirk:{key}", {"set": {key: default}})
     # any other [trl] override is a difference of its own: the translation never sets it
     covered = {f for v in q.values() for f in v[2]}
     for key, value in tr.overrides.items():
@@ -246,6 +273,12 @@ def fix_for(spec, diffs: list[Difference], check: str) -> dict:
     has no setting for it), `sentence`."""
     mine = [d for d in diffs if d.check == check]
     align = alignment_for(diffs, check)
+    if check.startswith("quirk:") and mine:  # TRL has no setting: the only match is on the scratch side
+        key = check.split(":", 1)[1]
+        default, _quantity, words = QUIRKS[key]
+        said = words.get(mine[0].scratch, words.get("*", f"has {key} = {mine[0].scratch!r}"))
+        return {"trl": {}, "scratch": {key: default},
+                "sentence": f"the scratch loop {said}: set {key} = {_toml(default)} in the spec to match"}
     try:
         before, after = translate(spec).kwargs, translate(apply_alignment(spec, align)).kwargs
     except Exception:  # an alignment the installed TRL refuses: say what differs, without a fix

@@ -195,6 +195,21 @@ class Spec:
                        "plan A).", choices=("auto", "forward"))
     MASK_TRUNCATED: bool = _f(False, "Drop completions that hit MAX_TOKENS without eos from the loss "
                               "(TRL: mask_truncated_completions).")
+    # --- quirks of hand-written loops: the scratch loop can have them; TRL has no setting for any of them ---
+    COMPLETION_MASK: str = _f("eos", "Which completion tokens the loss counts: `eos` (every token through the eos, as "
+                              "TRL), `no_eos` (the eos token left out), `all` (the padding after short completions "
+                              "too).", choices=("eos", "no_eos", "all"))
+    LOGP_ON_RAW_LOGITS: bool = _f(False, "Log-probs on the raw logits instead of logits / TEMPERATURE (TRL divides "
+                                  "by the temperature; at TEMPERATURE = 1 the two agree).")
+    KL_ESTIMATOR: str = _f("k3", "KL estimator when BETA > 0: `k3` (exp(d) - d - 1, TRL's), `k1` (logp - ref) or "
+                           "`k2` ((logp - ref)^2 / 2).", choices=("k1", "k2", "k3"))
+    KL_IN_REWARD: bool = _f(False, "Put the KL penalty in the reward (r - BETA x the completion's summed KL, before "
+                            "the advantages) instead of the loss (TRL).")
+    STD_EPS_INSIDE: bool = _f(False, "Scale advantages by sqrt(var + STD_EPS) instead of std + STD_EPS (TRL).")
+    LOSS_SUM: bool = _f(False, "Sum the per-token losses with no normalisation at all (overrides LOSS_NORM; TRL has "
+                        "no such loss_type).")
+    REWARD_CLIP: float = _f(0.0, "Clip the summed reward to [-REWARD_CLIP, REWARD_CLIP] before the advantages "
+                            "(0 = off, as TRL).", min=0.0)
     # --- importance-sampling correction (only with an external sampler) ---
     IS_CORRECTION: bool = _f(False, "Multiply the loss by a ratio between trainer and sampler probabilities "
                              "(TRL: vllm_importance_sampling_correction). Needs sampler.kind = vllm or emulated.")
