@@ -121,8 +121,15 @@ def cmd_parity(args) -> int:
         prev = Path(args.resume) / "verdict.json"
         if not prev.exists():
             raise InputError(f"--resume {args.resume}: no verdict.json there to resume from")
-        doc = json.loads(prev.read_text())
-        spec = _load(args) if args.spec else parse_spec(doc["base_spec"])
+        try:
+            doc = json.loads(prev.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"--resume {args.resume}: verdict.json there is not readable JSON ({e}); start a new run "
+                             "with --spec and another --out") from None
+        spec = parse_spec(doc["base_spec"])
+        if args.spec and _load(args).to_dict() != spec.to_dict():  # resuming must not silently start another run
+            raise InputError(f"--resume {args.resume}: that run used another spec than {args.spec} (with its --set "
+                             "overrides); resume without --spec, or start the new spec with another --out")
         args.out, args.matrix, args.mode = args.resume, doc["matrix"], doc["mode"]
         args.processes = doc.get("processes", 1)
         args.cells = ",".join(doc.get("cells_selected", [])) or None

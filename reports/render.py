@@ -519,9 +519,10 @@ def write_index(root: str | Path) -> Path | None:
     for v in sorted(root.glob("*/verdict.json")):
         try:
             doc = json.loads(v.read_text())
-        except json.JSONDecodeError:
-            continue
-        runs.append({"name": v.parent.name, "ok": doc.get("ok"), "mode": doc.get("mode"), "matrix": doc.get("matrix"),
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            continue  # a folder that is not a readable parity run is not listed
+        runs.append({"name": v.parent.name, "ok": doc.get("ok"), "complete": doc.get("complete", True),
+                     "mode": doc.get("mode"), "matrix": doc.get("matrix"),
                      "cells": len(doc.get("cells", [])), "as_expected": sum(c.get("ok", False) for c in doc["cells"]),
                      "report": f"{v.parent.name}/report.html", "spec": doc.get("spec")})
     if len(runs) < 2:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,3 +112,42 @@ def test_trl_side_non_finite_loss_stops_the_run(tmp_path, private_cache):
     assert json.loads((out / "manifest.json").read_text())["status"] == "failed: non-finite loss at step 2"
     rows, problems = read_metrics(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and problems == []
+
+
+def test_a_run_cut_short_never_reads_ok(tmp_path, monkeypatch):
+    """verdict.json after each cell: a killed or interrupted matrix is `complete: false` and not `ok`, however
+    its finished cells went; the index says INCOMPLETE."""
+    from harness.diagnose import matrix as M
+    from reports.render import write_index
+
+    real = M.run_cell
+    calls = []
+
+    def stop_after_one(cell, *a, **k):
+        if calls:
+            raise KeyboardInterrupt("SIGINT (simulated)")
+        calls.append(cell.name)
+        return real(cell, *a, **k)
+
+    monkeypatch.setattr(M, "run_cell", stop_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        M.run_matrix(small_spec("STEPS=2"), tmp_path / "cut", "default", log=lambda *_: None,
+                     only=["matched", "loss_type=dapo"])
+    doc = json.loads((tmp_path / "cut" / "verdict.json").read_text())
+    assert doc["cells"][0]["ok"] and not doc["ok"] and not doc["complete"]
+    assert (doc["cells_done"], doc["cells_total"]) == (1, 2)
+    shutil.copytree(tmp_path / "cut", tmp_path / "also")
+    assert "INCOMPLETE" in write_index(tmp_path).read_text()
+    assert "parity INCOMPLETE" in M.format_verdict(doc)
+
+
+def test_resume_with_another_spec_is_refused(tmp_path):
+    from harness.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "verdict.json").write_text(json.dumps({"base_spec": small_spec("STEPS=2").to_dict(), "matrix": "none",
+                                                  "mode": "lockstep", "cells": []}))
+    assert main(["parity", "--resume", str(out), "--spec", str(DEFAULT_SPEC), "--set", "STEPS=3"]) == 2
+    (out / "verdict.json").write_bytes(b"\xff\xfe not json")
+    assert main(["parity", "--resume", str(out)]) == 2

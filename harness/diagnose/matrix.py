@@ -201,7 +201,8 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         results[v["name"]] = v
         log(f"    {v['name']}: " + _cell_line(v))
         ordered = [results[c.name] for c in cells if c.name in results]
-        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes, only))
+        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes, only,
+                                                           total=len(cells)))
 
     pending = []
     for i, cell in enumerate(cells, 1):
@@ -235,7 +236,7 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
             for fut in as_completed(futures):
                 finished(fut.result())
     ordered = [results[c.name] for c in cells if c.name in results]
-    doc = _verdict_doc(base, matrix, mode, ordered, t_start, processes, only)
+    doc = _verdict_doc(base, matrix, mode, ordered, t_start, processes, only, total=len(cells))
     _write_json(out_dir / "verdict.json", doc)
     return doc
 
@@ -253,10 +254,15 @@ def _json_default(o):
     return str(o)
 
 
-def _verdict_doc(base, matrix, mode, verdicts, t_start, processes, only=None) -> dict:
+def _verdict_doc(base, matrix, mode, verdicts, t_start, processes, only=None, total: int | None = None) -> dict:
+    """verdict.json. A run cut short (killed, interrupted) has `complete: false` and is never `ok`: the cells it
+    finished may all be as expected, but the run as a whole has not said so."""
     from harness.runlog.log import library_versions
 
-    return {"ok": all(v["ok"] for v in verdicts), "spec": base.NAME, "matrix": matrix, "mode": mode,
+    complete = total is None or len(verdicts) >= total
+    return {"ok": complete and all(v["ok"] for v in verdicts), "complete": complete,
+            "cells_done": len(verdicts), "cells_total": total if total is not None else len(verdicts),
+            "spec": base.NAME, "matrix": matrix, "mode": mode,
             "base_spec": base.to_dict(), "processes": processes, "cells_selected": list(only or []), "cells": verdicts,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
 
@@ -298,7 +304,8 @@ def _cell_line(v: dict) -> str:
 
 def format_verdict(doc: dict) -> str:
     selected = f" (cells {', '.join(doc['cells_selected'])})" if doc.get("cells_selected") else ""
-    lines = [f"parity {'OK' if doc['ok'] else 'NOT OK'}: {sum(v['ok'] for v in doc['cells'])}/{len(doc['cells'])} "
+    state = "OK" if doc["ok"] else "NOT OK" if doc.get("complete", True) else "INCOMPLETE"
+    lines = [f"parity {state}: {sum(v['ok'] for v in doc['cells'])}/{len(doc['cells'])} "
              f"cells as expected ({doc['mode']}, matrix {doc['matrix']}{selected}, {doc['elapsed_s']:.0f} s)", ""]
     lines.append(f"{'cell':30s} {'expected':9s} {'got':9s} {'first divergence':28s} cause")
     for v in doc["cells"]:
