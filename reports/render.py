@@ -386,6 +386,22 @@ def _seed_spread(a_frames, b_frames):
     return out
 
 
+def _differences(spec_dict: dict | None) -> list[dict]:
+    """The preflight's differences for a cell's spec: what the two sides really do differently (the mapping
+    table's texts differ for equal settings, e.g. '4 x 4 = 16 sequences' against '8 x 2 x 1 = 16 sequences')."""
+    from harness.diagnose.preflight import preflight
+    from harness.experiment.spec import parse_spec
+
+    if not spec_dict:
+        return []
+    try:
+        _tr, diffs, _facts = preflight(parse_spec(spec_dict))
+    except Exception:  # a spec this version cannot read back: the mapping table below still shows the settings
+        return []
+    return [{"check": d.check, "quantity": d.quantity, "scratch": d.scratch, "trl": d.trl,
+             "fields": ", ".join(map(str, d.fields))} for d in diffs]
+
+
 def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> dict:
     """One cell's page section. Curves only for metrics that differ somewhere (`full`: all of them, else the key
     metrics), the rest named in words: identical on every step, constant, logged by one side only."""
@@ -443,7 +459,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         sides == ("scratch", "trl") else [], "sides": sides,
         "explained": next((d for d in cell.get("attribution_detail") or [] if "runs" in d), None),
         "completions": list(zip(_completions(a_root, step), _completions(b_root, step))),
-        "diff_config": [r for r in mapping if str(r.get("scratch_value")) != str(r.get("trl_value"))],
+        "diff_config": _differences(manifest_a.get("spec")) if sides == ("scratch", "trl") else [],
         "mapping": mapping,
         "samplers": sorted({str(m.get("sampler")) for m in (manifest_a, manifest_b) if m.get("sampler")}),
         "emulated": any("emulated" in str(m.get("sampler", "")) for m in (manifest_a, manifest_b)),

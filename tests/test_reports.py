@@ -130,3 +130,12 @@ def test_first_screens_at_phone_and_desktop_width(parity_dir, tmp_path, width, h
     else:  # the phone shows the verdict and the first words on its first screen
         assert boxes["#headline"]["y"] < height
     assert shot.stat().st_size > 10_000
+
+
+def test_settings_that_differ_come_from_the_preflight(parity_dir, tmp_path):
+    """An aligned spec lists no differing settings (the mapping table's texts differ for equal settings); the
+    dapo cell lists exactly the preflight's one."""
+    html = (parity_dir / "report.html").read_text()
+    assert "settings that differ (1, from the preflight)" in html
+    run_matrix(small_spec("STEPS=2"), tmp_path, "none", log=lambda *_: None)
+    assert "settings that differ" not in write_parity_report(tmp_path).read_text()
