@@ -44,7 +44,7 @@ def assert_metrics_close(run_a, run_b, metrics=None, rtol: float | None = None, 
     """
     from pandas.api.types import is_numeric_dtype
 
-    from harness.diagnose.compare import load_any_run, load_tolerances, tolerance_for
+    from harness.diagnose.compare import absent_at, load_any_run, load_tolerances, tolerance_for
 
     a = load_any_run(run_a) if not hasattr(run_a, "columns") else run_a
     b = load_any_run(run_b) if not hasattr(run_b, "columns") else run_b
@@ -79,7 +79,11 @@ def assert_metrics_close(run_a, run_b, metrics=None, rtol: float | None = None, 
         xs, ys = x.astype(float), y.astype(float)
         diff = (xs - ys).abs()
         allowed = at + r * ys.abs()
-        outside = [s for s in shared if not (diff[s] <= allowed[s]) and not (math.isnan(xs[s]) and math.isnan(ys[s]))]
+        # a NaN or inf either run computed is outside tolerance (both NaN included); a value neither log has is not
+        # compared there
+        neither = absent_at(a, name, shared) & absent_at(b, name, shared)
+        outside = [s for i, s in enumerate(shared) if not neither[i] and
+                   (not (math.isfinite(xs[s]) and math.isfinite(ys[s])) or not diff[s] <= allowed[s])]
         if outside:
             s0 = outside[0]
             worst = diff.idxmax()
@@ -129,12 +133,14 @@ def parity_runs(request):
 
 
 class ParityItem(pytest.Item):
-    def __init__(self, *, metric: str, runs, tolerances, mode, **kwargs):
+    def __init__(self, *, metric: str, runs, tolerances, mode, only_in: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.metric, self.runs, self.tolerances, self.mode = metric, runs, tolerances, mode
+        self.metric, self.runs, self.tolerances, self.mode, self.only_in = metric, runs, tolerances, mode, only_in
         self.add_marker("parity")
 
     def runtest(self):
+        if self.only_in:  # listed, not compared: one side not logging a metric is not a difference of values
+            pytest.skip(f"{self.metric}: logged by run {self.only_in} only, not compared")
         a, b = self.runs
         assert_metrics_close(a, b, metrics=[self.metric], tolerances=self.tolerances, mode=self.mode)
 
@@ -159,6 +165,7 @@ def pytest_collection_modifyitems(session, config, items):
     by_design = tuple(tol.get("ignore", {}).get("one_sided_prefixes", []))
     names = sorted((set(runs[0].columns) | set(runs[1].columns)) - ignore)
     names = [n for n in names if not (n.startswith(by_design) and not all(n in r.columns for r in runs))]
+    only = {n: ("A" if n in runs[0].columns else "B") for n in names if not all(n in r.columns for r in runs)}
     config.hook.pytest_deselected(items=list(items))
     items[:] = [ParityItem.from_parent(session, name=f"parity[{n}]", metric=n, runs=runs, tolerances=tol,
-                                       mode=config.getoption("--parity-mode")) for n in names]
+                                       mode=config.getoption("--parity-mode"), only_in=only.get(n)) for n in names]

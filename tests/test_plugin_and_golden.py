@@ -1,5 +1,6 @@
 """The metric-tolerance plugin (assert_metrics_close, pytest --parity-runs) and the golden references."""
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,16 @@ def test_exact_fields_and_missing_metrics():
         assert_metrics_close(frame(epoch=[0.5]), frame(epoch=[0.500001]))  # inside atol 1e-5, but exact
     with pytest.raises(MetricMismatch, match="kl: not logged by run B"):
         assert_metrics_close(frame(kl=[0.1]), frame(loss=[0.1]), metrics=["kl"])
+
+
+def test_nan_on_both_sides_is_outside_tolerance_and_one_sided_metrics_are_skipped(tmp_path):
+    """NaN the runs computed is never parity; `pytest --parity-runs` lists a one-sided metric as skipped."""
+    with pytest.raises(MetricMismatch, match="loss: first outside tolerance at step 2"):
+        assert_metrics_close(frame(loss=[0.1, float("nan")]), frame(loss=[0.1, float("nan")]))
+    for name, rows in (("a", [{"step": 1, "loss": 0.1, "kl": 0.2}]), ("b", [{"step": 1, "loss": 0.1}])):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = pytest_parity(tmp_path, tmp_path / "a.jsonl", tmp_path / "b.jsonl")
+    assert r.returncode == 0 and "1 passed, 1 skipped" in r.stdout, r.stdout
 
 
 def harness_run(tmp_path, name, *sets):
