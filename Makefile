@@ -33,14 +33,14 @@ DEMO ?= harness/specs/lengths.toml
 LESSON ?= harness/specs/lesson-mistakes.toml
 
 parity: $(STAMP)
-	$(PY) -m harness parity --spec $(SPEC) --out $(OUT)
+	$(PY) -m harness parity --spec $(SPEC) --out $(OUT) --force
 	@if [ -n "$(LESSON)" ]; then \
 	  echo; echo "== the lesson's three mistakes at once: $(LESSON)"; \
-	  $(PY) -m harness parity --spec $(LESSON) --matrix none --out $(OUT)-lesson; \
+	  $(PY) -m harness parity --spec $(LESSON) --matrix none --out $(OUT)-lesson --force; \
 	fi
 	@if [ -n "$(DEMO)" ]; then \
 	  echo; echo "== loss_type in free runs: $(DEMO) (scratch sequence vs TRL grpo, and vs TRL's default dapo)"; \
-	  $(PY) -m harness parity --spec $(DEMO) --mode free --cells matched,loss_type=dapo --out $(OUT)-lengths && \
+	  $(PY) -m harness parity --spec $(DEMO) --mode free --cells matched,loss_type=dapo --out $(OUT)-lengths --force && \
 	  echo && echo "reports: $(OUT)/report.html (lockstep matrix), $(OUT)-lesson/report.html (three mistakes), $(OUT)-lengths/report.html (length split); index: $$(dirname $(OUT))/index.html"; \
 	fi
 

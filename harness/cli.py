@@ -147,6 +147,9 @@ def cmd_parity(args) -> int:
 
     _tr, diffs, facts = preflight(spec)
     out = Path(args.out)
+    if not args.resume and (out / "verdict.json").exists() and not args.force:
+        raise InputError(f"--out {out} already holds a parity run (verdict.json): pass --force to replace it, "
+                         f"--resume {out} to finish it if it was cut short, or another --out")
     out.mkdir(parents=True, exist_ok=True)
     print(f"spec {args.spec} ({spec.NAME}): {spec.STEPS} steps per run, mode {args.mode}, matrix {args.matrix}")
     if diffs and args.matrix != "none":
@@ -343,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "scratch loop, for each loss type")
     pa.add_argument("--jobs", type=int, default=1, metavar="K",
                     help="run K independent cells at once, one GPU each where there are GPUs (default 1)")
+    pa.add_argument("--force", action="store_true", help="replace a parity run already in --out")
     pa.add_argument("--quiet", action="store_true", help="no per-step progress")
     pa.add_argument("--verbose", action="store_true", help="per-step progress inside each cell")
     pa.set_defaults(func=cmd_parity)

@@ -151,3 +151,13 @@ def test_resume_with_another_spec_is_refused(tmp_path):
     assert main(["parity", "--resume", str(out), "--spec", str(DEFAULT_SPEC), "--set", "STEPS=3"]) == 2
     (out / "verdict.json").write_bytes(b"\xff\xfe not json")
     assert main(["parity", "--resume", str(out)]) == 2
+
+
+def test_a_finished_out_is_not_overwritten_without_force(tmp_path, capsys):
+    from harness.cli import main
+
+    (tmp_path / "verdict.json").write_text('{"ok": true, "cells": []}')
+    assert main(["parity", "--spec", str(DEFAULT_SPEC), "--out", str(tmp_path), "--matrix", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a parity run" in err and "--force" in err
+    assert (tmp_path / "verdict.json").read_text() == '{"ok": true, "cells": []}'  # untouched
