@@ -25,7 +25,9 @@ FREE_NO_EFFECT = ("free run: the two sides differ by less than the seed-to-seed 
 NO_EFFECT_WHY = {"other:top_k": _SAMPLING_ONLY, "other:top_p": _SAMPLING_ONLY, "other:min_p": _SAMPLING_ONLY,
                  "other:repetition_penalty": _SAMPLING_ONLY, "other:epsilon_high": _CLIP_ONLY,
                  "other:epsilon": _CLIP_ONLY, "other:delta": _CLIP_ONLY,
-                 "quirk:LOGP_ON_RAW_LOGITS": "at TEMPERATURE = 1 the logits and logits / temperature are the same"}
+                 "quirk:LOGP_ON_RAW_LOGITS": "at TEMPERATURE = 1 the logits and logits / temperature are the same",
+                 "other:attention_dropout": "dropout while sampling changes which completions are drawn; in lockstep "
+                                            "TRL does not sample (the shared sampler does): it acts only in free runs"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,11 +134,12 @@ class CauseSearch:
         """The comparison with the checks in `aligned` aligned (None when the re-run failed)."""
         if aligned in self.results:
             return self.results[aligned]
-        align = {"set": {}, "drop_trl": []}
+        align = {"set": {}, "drop_trl": [], "set_trl": {}}
         for c in sorted(aligned):
             part = alignment_for(self.diffs, c)
             align["set"].update(part["set"])
             align["drop_trl"] += [k for k in part["drop_trl"] if k not in align["drop_trl"]]
+            align["set_trl"].update(part.get("set_trl", {}))
         spec = apply_alignment(self.spec, align)
         key = json.dumps([spec.to_dict(), self.mode], sort_keys=True, default=str)
         name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))

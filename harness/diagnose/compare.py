@@ -341,6 +341,71 @@ def align_rounds(df: pd.DataFrame, steps_per_round: int | None = None) -> pd.Dat
     return out
 
 
+# TRL with logging_steps = N logs one row every N steps, averaged over the steps since the row before: the loss
+# (transformers' Trainer divides the loss summed since the last log by the steps in between) and GRPOTrainer's own
+# metrics (GRPOTrainer.log averages each metric's list since the last log). These are the value at the logged step.
+WINDOW_LAST = frozenset({"grad_norm", "learning_rate", "num_tokens", "epoch", "trl/epoch"})
+
+
+def _log_spacing(df: pd.DataFrame) -> int | None:
+    """N when the log has a row every N steps (the first and last gap may be shorter: logging_first_step, the
+    last step), else None."""
+    steps = sorted(df.index)
+    if len(steps) < 2 or not all(isinstance(s, (int, np.integer)) for s in steps):
+        return None
+    gaps = [int(y - x) for x, y in zip(steps, steps[1:])]
+    n = max(set(gaps), key=lambda g: (gaps.count(g), g))  # the most common gap (the larger of a tie)
+    regular = n > 0 and all(g == n for g in gaps[1:-1]) and gaps[0] <= n and gaps[-1] <= n
+    return n if regular else None
+
+
+def align_logging_windows(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(a, b), with the per-step one averaged over the other's logging windows when one has a row every N > 1 steps
+    (TRL's logging_steps = N) and the other a row every step: for each logged step k the steps after the logged
+    step before it through k (k-N+1..k), WINDOW_LAST metrics at k; windows the per-step log does not cover whole
+    are left out. The note travels in the averaged frame's problems, into the comparison's notes."""
+    spacing = (_log_spacing(a), _log_spacing(b))
+    if spacing[0] == 1 and (spacing[1] or 0) > 1:
+        dense, sparse, n = a, b, spacing[1]
+    elif spacing[1] == 1 and (spacing[0] or 0) > 1:
+        dense, sparse, n = b, a, spacing[0]
+    else:
+        return a, b
+    have = set(dense.index)
+    cols = [c for c in dense.columns if c != "step"]
+    bare = _bare(dense)
+    by_step, prev = {}, int(dense.index.min()) - 1
+    for k in sorted(int(s) for s in sparse.index):
+        window = list(range(max(prev, k - n) + 1, k + 1))
+        prev = k
+        if not window or not have.issuperset(window):
+            continue
+        row = {"step": k}
+        for c in cols:
+            kept = [s for s, gone in zip(window, absent_at(dense, c, window)) if not gone]
+            if not kept:
+                continue
+            vals = bare.loc[kept, c].tolist()
+            numbers = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                          for v in vals)
+            if c in WINDOW_LAST or not numbers:
+                if kept[-1] == k:
+                    row[c] = vals[-1]
+            else:
+                row[c] = float(np.mean(np.asarray(vals, dtype=float)))
+        by_step[k] = row
+    if not by_step:
+        return a, b
+    out = _build(by_step)
+    out.attrs.update({key: v for key, v in dense.attrs.items() if key != "absent"})
+    out.attrs["problems"] = list(dense.attrs.get("problems", [])) + [
+        f"TRL logged every {n} steps ({sparse.attrs.get('source', 'one log')}: logging_steps = {n}, each row the "
+        f"average of the steps since the row before): the per-step log ({dense.attrs.get('source', 'the other')}) is "
+        f"averaged over the same windows (steps k-{n - 1}..k for each logged step k; {', '.join(sorted(WINDOW_LAST))} "
+        "taken at k, as TRL logs them)"]
+    return (out, b) if dense is a else (a, out)
+
+
 # ---------------------------------------------------------------------------------------------
 # the inputs of `compare`: one run or several seeds per side
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +503,10 @@ def load_inputs(run_a, run_b, *, mapping: dict | None = None, align: str = "step
     if align == "round":
         frames = tuple([align_rounds(f, per_round[i] if per_round else None) for f in side]
                        for i, side in enumerate(frames))
+    else:  # a log every N steps (TRL's logging_steps) against a per-step one: the per-step one over the same windows
+        first_a, first_b = frames[0][0], frames[1][0]
+        frames = ([align_logging_windows(f, first_b)[0] for f in frames[0]],
+                  [align_logging_windows(first_a, f)[1] for f in frames[1]])
     return Inputs(a=frames[0], b=frames[1], paths=paths, names=(_label(paths[0]), _label(paths[1])), align=align,
                   mapping=mapping)
 

