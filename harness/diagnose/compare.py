@@ -111,22 +111,9 @@ def load_any_run(path: str | Path, mapping: dict | None = None) -> pd.DataFrame:
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
-    rows, problems = [], []
-    lines = path.read_text().splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            where = "last line" if n == len(lines) else f"line {n}"
-            problems.append(f"{path}: {where} is not complete JSON; skipped")
-            continue
-        if isinstance(obj, dict):
-            rows.append(obj)
-        else:
-            problems.append(f"{path}: line {n} is not a JSON object; skipped")
-    return rows, problems
+    from harness.runlog.log import read_metrics  # one JSON object per line, whatever wrote it
+
+    return read_metrics(path)
 
 
 def _read_csv(path: Path) -> tuple[list[dict], list[str]]:

@@ -153,10 +153,15 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[str]]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            obj = json.loads(line)
         except json.JSONDecodeError:
             where = "last line" if n == len(lines) else f"line {n}"
             problems.append(f"{path}: {where} is not complete JSON (a killed writer?); skipped")
+            continue
+        if isinstance(obj, dict):
+            rows.append(obj)
+        else:
+            problems.append(f"{path}: line {n} is not a JSON object; skipped")
     return rows, problems
 
 
