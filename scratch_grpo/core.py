@@ -52,6 +52,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return torch.nan_to_num(adv, nan=0.0), sd
 
 
+def shape_rewards(rewards: torch.Tensor, clip: float = 0.0, seq_kl: torch.Tensor | None = None,
+                  beta: float = 0.0) -> torch.Tensor:
+    """Two quirks of hand-written loops on the summed reward r_i (TRL does neither): clip it to [-clip, clip]
+    (0 = off), then subtract beta x the completion's summed KL when the KL penalty goes in the reward."""
+    if clip > 0:
+        rewards = rewards.clamp(-clip, clip)
+    if seq_kl is not None:
+        rewards = rewards - beta * seq_kl
+    return rewards
+
+
 # ---------------------------------------------------------------------------------------------
 # log-probs, entropy, KL
 # ---------------------------------------------------------------------------------------------

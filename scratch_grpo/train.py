@@ -154,8 +154,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                          trainer_state=SimpleNamespace(global_step=step, max_steps=spec.STEPS), **columns)
                 rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N))
             rewards = (rewards_per_func * reward_w).nansum(dim=1)
-            if spec.REWARD_CLIP > 0:  # a quirk: TRL takes the reward functions' sum as it is
-                rewards = rewards.clamp(-spec.REWARD_CLIP, spec.REWARD_CLIP)
+            rewards = core.shape_rewards(rewards, spec.REWARD_CLIP)  # a quirk when > 0: TRL takes the sum as it is
             advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
                                                          spec.STD_EPS_INSIDE)
 
@@ -189,7 +188,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
             if ref_logps is not None and spec.KL_IN_REWARD:  # a quirk: the KL penalty in the reward, not the loss
                 now = logp_old if logp_old is not None else no_grad_logps(model)
                 seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1).cpu()
-                rewards = rewards - spec.BETA * seq_kl
+                rewards = core.shape_rewards(rewards, seq_kl=seq_kl, beta=spec.BETA)
                 advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
                                                              spec.STD_EPS_INSIDE)
             is_w, mismatch = None, {}

@@ -269,3 +269,12 @@ def test_log_probs_on_raw_logits_differ_from_tempered_ones():
     target = torch.tensor([[1]])
     close(core.token_logprobs(logits, target, 1.0), [[math.log(0.75)]])
     close(core.token_logprobs(logits, target, 0.5), [[math.log(0.9)]])
+
+
+def test_shape_rewards_clip_and_kl_in_the_reward():
+    # rewards [1.5, -0.2, 0.4] clipped to 0.5: [0.5, -0.2, 0.4]; then minus beta 0.1 x summed KL [2, 0, 1]:
+    # [0.5 - 0.2, -0.2 - 0, 0.4 - 0.1] = [0.3, -0.2, 0.3]
+    r = torch.tensor([1.5, -0.2, 0.4])
+    close(core.shape_rewards(r, clip=0.5), [0.5, -0.2, 0.4])
+    close(core.shape_rewards(r, clip=0.5, seq_kl=torch.tensor([2.0, 0.0, 1.0]), beta=0.1), [0.3, -0.2, 0.3])
+    close(core.shape_rewards(r), r)  # TRL's: the sum as it is
