@@ -216,7 +216,7 @@ def cmd_preflight(args) -> int:
 
 def cmd_compare(args) -> int:
     """Two metric logs (or two sets of seeds), whoever wrote them; suspicions from the curves, nothing re-run."""
-    from harness.diagnose.attribution import _evidence
+    from harness.diagnose.attribution import evidence as evidence_rules
     from harness.diagnose.compare import (CompareInputError, compare_inputs, format_comparison, input_mode,
                                           load_inputs, parse_map)
     from harness.diagnose.freerun import compare_free_inputs
@@ -225,9 +225,9 @@ def cmd_compare(args) -> int:
         inputs = load_inputs(args.run_a, args.run_b, mapping=parse_map(args.map), align=args.align,
                              steps_per_round=args.steps_per_round)
         if input_mode(inputs, args.mode) == "free":  # several seeds per side: the seed-noise statistic
-            result = compare_free_inputs(inputs, evidence=_evidence)
+            result = compare_free_inputs(inputs, evidence=evidence_rules)
         else:
-            result = compare_inputs(inputs, dtype=args.dtype, tolerance_file=args.tolerances, evidence=_evidence)
+            result = compare_inputs(inputs, dtype=args.dtype, tolerance_file=args.tolerances, evidence=evidence_rules)
     except CompareInputError as e:
         raise InputError(str(e)) from None
     text = format_comparison(result, inputs.names, top=0)

@@ -95,7 +95,8 @@ def log_step(step: int, **metrics) -> None:
         if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
             value = value.item()
         if isinstance(value, float) and not math.isfinite(value):
-            value = str(value)  # JSON has no nan/inf: the harness reads "nan"/"inf" back as a divergence
+            value = str(value)  # JSON has no nan/inf: read back, a non-finite loss is an error, any other value a
+            # divergence at that step
         row[key] = value
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")

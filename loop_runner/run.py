@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,17 +92,19 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
     """Run `spec.loop.command` once (seed spec.SEED) into `out_dir`; returns the run folder. Raises LoopError."""
     from harness.experiment.models import checkpoint_dir, resolve_device
     from harness.runlog.log import RunWriter
+    from harness.runlog.stops import STOP, Interrupted
 
     command = spec.loop.command
     if not command:
         raise LoopError("no loop command: pass --loop \"CMD\" or set [loop] command in the spec")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint_dir(spec)
+    ckpt = Path(checkpoint_dir(spec)).resolve()  # absolute: the loop may run in another folder ([loop] cwd)
     (out_dir / "spec.json").write_text(json.dumps(spec_json(spec), indent=2) + "\n")
     raw_path = out_dir / RAW_METRICS
     raw_path.write_text("")
     weights = out_dir / WEIGHTS_DIR
+    shutil.rmtree(weights, ignore_errors=True)  # weights an earlier run left must not pass for this run's
     env = {**os.environ, "PARITY_INIT": str(ckpt), "PARITY_SPEC": str((out_dir / "spec.json").resolve()),
            "PARITY_SEED": str(spec.SEED), "PARITY_METRICS": str(raw_path.resolve()),
            "PARITY_WEIGHTS_OUT": str(weights.resolve())}
@@ -118,14 +121,21 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
         with open(out_dir / STDOUT, "w") as so, open(out_dir / STDERR, "w") as se:
             proc = subprocess.Popen(command, shell=True, cwd=cwd, env=env, stdout=so, stderr=se,
                                     start_new_session=True)  # its own process group: a timeout stops all of it
+            deadline = time.monotonic() + spec.loop.timeout_s
             try:
-                rc = proc.wait(timeout=spec.loop.timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise LoopError(f"your loop ran past loop.timeout_s = {spec.loop.timeout_s:g} s and was stopped; "
-                                f"last output: {_tail(out_dir / STDERR) or _tail(out_dir / STDOUT) or '(none)'}")
-            except BaseException:  # Ctrl-C: take the loop down with us
+                while True:
+                    try:
+                        rc = proc.wait(timeout=1.0)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if STOP.requested:  # SIGINT/SIGTERM to the harness: the loop (its own session) goes too
+                        raise Interrupted(f"{STOP.requested} while your loop ran")
+                    if time.monotonic() > deadline:
+                        raise LoopError(f"your loop ran past loop.timeout_s = {spec.loop.timeout_s:g} s and was "
+                                        f"stopped; last output: "
+                                        f"{_tail(out_dir / STDERR) or _tail(out_dir / STDOUT) or '(none)'}")
+            except BaseException:  # a timeout, Ctrl-C, SIGTERM: take the loop's whole process group down with us
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
@@ -133,6 +143,9 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
             raise LoopError(f"your loop exited with status {rc}: {_tail(out_dir / STDERR) or '(no stderr)'} "
                             f"(full output: {out_dir / STDERR})")
         rows = read_loop_metrics(raw_path, spec.loop.metrics)
+        if rows[-1]["step"] < spec.STEPS:  # fewer steps than the spec: compared as far as it went, it would pass
+            raise LoopError(f"your loop logged {len(rows)} steps, the last step {rows[-1]['step']}, and exited; the "
+                            f"spec asks for STEPS = {spec.STEPS}: read STEPS from PARITY_SPEC (harness.loop.spec())")
         wall = (time.perf_counter() - t0) / len(rows)
         for row in rows:
             writer.log_step({**row, "wall_s": row.get("wall_s", wall)})

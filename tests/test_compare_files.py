@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT
-from harness.diagnose.attribution import _evidence
+from harness.diagnose.attribution import evidence as evidence_rules
 from harness.diagnose.compare import (CompareInputError, compare_frames, compare_inputs, format_comparison,
                                       input_mode, load_any_run, load_inputs, parse_map)
 from harness.diagnose.freerun import compare_free_inputs
@@ -39,8 +39,8 @@ def compare(a, b, mode=None, **kw):
     """As the CLI does it: one run per side in lockstep, several seeds per side with the free-run statistic."""
     inputs = load_inputs(a, b, **kw)
     if input_mode(inputs, mode) == "free":
-        return compare_free_inputs(inputs, evidence=_evidence)
-    return compare_inputs(inputs, evidence=_evidence)
+        return compare_free_inputs(inputs, evidence=evidence_rules)
+    return compare_inputs(inputs, evidence=evidence_rules)
 
 
 def cli(*args):

@@ -56,3 +56,16 @@ def test_scratch_loop_with_several_steps_per_generation_reaches_parity(tmp_path,
         assert max(r["clip_ratio/region_mean"] for r in scratch) > 0  # later steps train on an older policy
     else:
         assert len(set(hashes)) == len(hashes)
+
+
+def test_steps_not_a_multiple_of_the_steps_per_generation(tmp_path):
+    """STEPS = 5 with two steps per generation: the last round feeds one step; TRL's data set must hold it."""
+    doc = run_matrix(small_spec("STEPS=5", "GRAD_ACCUM=1", "STEPS_PER_GENERATION=2"), tmp_path, "none", **QUIET)
+    assert doc["cells"][0]["verdict"] == "parity", doc["cells"][0].get("first_divergence")
+
+
+def test_several_processes_with_several_steps_per_generation_are_refused():
+    from harness.experiment.spec import SpecError
+
+    with pytest.raises(SpecError, match="STEPS_PER_GENERATION: with PROCESSES > 1"):
+        small_spec("STEPS_PER_GENERATION=2", "PROCESSES=2")

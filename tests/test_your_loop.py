@@ -148,3 +148,33 @@ def test_the_docs_commands_run_as_written(tmp_path):
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == int(code), f"{line}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
     assert (tmp_path / "my-loop-2" / "your_loop_in_trl.toml").exists()
+
+
+def test_a_loop_that_stops_early_is_an_error_not_parity(tmp_path):
+    """Three steps of a 4-step spec compared as far as they went would pass: it is an error instead."""
+    doc = run_matrix(loop_spec(EXAMPLE, "STEPS=4", "loop.metrics.unused=\"x\""), tmp_path / "ok", "none", **QUIET)
+    assert doc["cells"][0]["verdict"] == "parity"
+    short = ("import json, os; [open(os.environ['PARITY_METRICS'], 'a').write(json.dumps({'step': s, 'loss': 0.0}) "
+             "+ '\\n') for s in (1, 2, 3)]")
+    doc = run_matrix(loop_spec(f"{sys.executable} -c {json.dumps(short)}", "STEPS=4"), tmp_path / "short", "none",
+                     **QUIET)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "error" and "asks for STEPS = 4" in cell["error"], cell.get("error")
+
+
+def test_the_loop_is_stopped_with_the_harness(tmp_path):
+    """SIGINT/SIGTERM to the harness (the STOP flag) takes the loop's process group down within a second or so."""
+    import time
+
+    from harness.runlog.stops import STOP, Interrupted
+    from loop_runner.run import train
+
+    spec = loop_spec(f"{sys.executable} -c \"import time; time.sleep(60)\"", "STEPS=2")
+    STOP.requested = "SIGTERM"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            train(spec, tmp_path)
+    finally:
+        STOP.requested = None
+    assert time.monotonic() - t0 < 10

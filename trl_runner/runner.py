@@ -270,8 +270,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     # the shared schedule, long enough for whatever TRL takes per step (the naive mapping takes fewer)
     # (every optimizer step takes at most prompts_per_step prompts: enough rounds for STEPS of them)
     per_step = max(translation.prompts_per_step, spec.PROMPTS_PER_STEP)
-    schedule = prompt_schedule(len(rows), math.ceil(spec.STEPS * per_step / spec.PROMPTS_PER_STEP),
-                               spec.PROMPTS_PER_STEP, spec.SEED)
+    # (and at least the scratch loop's rounds: TRL drops an incomplete last generation batch of the data set)
+    n_rounds = max(math.ceil(spec.STEPS * per_step / spec.PROMPTS_PER_STEP), spec.rounds * spec.STEPS_PER_GENERATION)
+    schedule = prompt_schedule(len(rows), n_rounds, spec.PROMPTS_PER_STEP, spec.SEED)
     ordered = [rows[i] for block in schedule for i in block]
     dataset = Dataset.from_list(ordered)
 

@@ -31,7 +31,7 @@ NO_EFFECT_WHY = {"other:top_k": _SAMPLING_ONLY, "other:top_p": _SAMPLING_ONLY, "
 
 
 # ---------------------------------------------------------------------------------------------
-def _evidence(check: str, result: dict) -> str | None:
+def evidence(check: str, result: dict) -> str | None:
     """What in the curves points at a check (used to word suspicions; confirmation decides)."""
     m = result["metrics"]
     outside = set(result["outside"])
@@ -83,7 +83,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     causes = search.minimal_causes()
     entries = []
     for c in checks:
-        entry = {"cause": c, "fields": fields[c], "evidence": _evidence(c, result), "fix": fix_for(cell.spec, diffs, c)}
+        entry = {"cause": c, "fields": fields[c], "evidence": evidence(c, result), "fix": fix_for(cell.spec, diffs, c)}
         if causes is None:  # even everything aligned does not reach parity
             entry["status"] = "suspected"
         elif c in causes:
@@ -107,7 +107,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
             if entry["cause"] in shares:
                 entry["share"] = shares[entry["cause"]]
     for entry in entries:
-        entry["reruns"] = search.reruns
+        entry["reruns"], entry["reused"] = search.reruns, search.reused
     entries.sort(key=lambda e: {"confirmed": 0, "suspected": 1}.get(e["status"], 2))
     return entries
 
@@ -126,7 +126,8 @@ class CauseSearch:
     def __init__(self, spec, diffs, checks, cell_dir: Path, mode: str, progress: bool, log):
         self.spec, self.diffs, self.checks = spec, diffs, checks
         self.cell_dir, self.mode, self.progress, self.log = cell_dir, mode, progress, log
-        self.reruns = 0
+        self.reruns = 0  # new runs made for this cell
+        self.reused = 0  # runs another cell of the matrix had made already
         self.errors: list[str] = []
         self.results: dict[frozenset, dict | None] = {}
 
@@ -145,6 +146,7 @@ class CauseSearch:
         name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))
         if key in _RERUNS:
             self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made earlier in this matrix, reused")
+            self.reused += 1
             out = _RERUNS[key]
         else:
             self.reruns += 1
@@ -171,14 +173,15 @@ class CauseSearch:
             return None
         chunk = max(1, len(kept) // 2)
         while True:
-            i = 0
+            i, dropped = 0, False
             while i < len(kept):
                 rest = kept[:i] + kept[i + chunk:]
                 if rest and self.parity(rest):
-                    kept = rest  # the dropped ones are not needed: parity holds without aligning them
+                    kept, dropped = rest, True  # the dropped ones are not needed: parity holds without them
                 else:
                     i += chunk
-            if chunk == 1:
+            # one by one until a whole pass drops nothing: each one left was tested against the final set
+            if chunk == 1 and not dropped:
                 return kept
             chunk = max(1, chunk // 2)
 
@@ -230,8 +233,13 @@ def _attribute_your_loop(cell, result: dict, cell_dir: Path, mode: str, log) -> 
     """Your loop against TRL: the preflight cannot see inside your loop, so search TRL's settings for it instead."""
     if result["first_divergence"] is None:
         return []
+    if cell.spec.PROCESSES > 1:
+        text = ("the explanation search runs TRL on one process; with PROCESSES > 1 its answer might not hold: run "
+                "the loop against TRL with PROCESSES = 1 to have it explained")
+        return [{"cause": "your loop", "status": "suspected", "fields": [], "evidence": text,
+                 "fix": {"trl": {}, "scratch": {}, "sentence": text}}]
     if mode != "lockstep" or "trl" not in cell.sides:
-        hint = [f"{c}: {e}" for c in CHECK_ORDER if (e := _evidence(c, result))]
+        hint = [f"{c}: {e}" for c in CHECK_ORDER if (e := evidence(c, result))]
         text = ("the explanation search needs lockstep mode against TRL (the same rollouts on both sides); "
                 + ("; ".join(hint) if hint else "run --mode lockstep --against trl"))
         return [{"cause": "your loop", "status": "suspected", "fields": [], "evidence": text,

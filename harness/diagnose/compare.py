@@ -500,7 +500,7 @@ def load_inputs(run_a, run_b, *, mapping: dict | None = None, align: str = "step
 
 def suspicions(result: dict, evidence) -> list[dict]:
     """The lesson's checks that the curves point at, worded by `evidence(check, result)` (the attribution's
-    rules, harness.diagnose.attribution._evidence, passed in: this module cannot import it). Suspected only:
+    rules, harness.diagnose.attribution.evidence, passed in: this module cannot import it). Suspected only:
     compare re-runs nothing, so nothing is confirmed."""
     fd = result.get("first_divergence")
     if evidence is None or fd is None:

@@ -367,7 +367,7 @@ def headline(doc: dict) -> dict:
         sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
         detail = c.get("attribution_detail") or []
         confirmed = [d for d in detail if d.get("status") == "confirmed"]
-        reruns = max((d.get("reruns", 0) for d in detail), default=0)
+        reruns = max((d.get("reruns", 0) + d.get("reused", 0) for d in detail), default=0)
         if confirmed and "yours" in c.get("sides", ()):
             sentence += " Re-running TRL on the same rollouts with other settings found what your loop does:"
         elif len(confirmed) > 1:
@@ -378,6 +378,9 @@ def headline(doc: dict) -> dict:
         items += [_capital(why) + "." for why in _fix_sentences(c)]
         return {"sentence": sentence, "items": items}
     surprises = [c for c in cells if not c.get("ok")]
+    if not surprises and not any(c.get("expected") == "diverged" for c in cells):
+        return {"sentence": f"Every cell is at parity, as expected ({len(cells)} cells, {doc.get('mode')} mode).",
+                "items": []}
     if not surprises:
         n_par = sum(c.get("expected") == "parity" for c in cells)
         sentence = (f"The two loops agree when set up alike ({n_par} cells at parity); each toggled check made them "

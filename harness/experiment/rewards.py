@@ -27,6 +27,7 @@ import re
 import sys
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 # a number as people write it: sign, thousands commas, decimals ("-1,234.50", "+3", ".5")
@@ -271,7 +272,8 @@ def check_reward_functions(spec, rows: list[dict]) -> None:
             out = fn(prompts=[r["prompt"] for r in sample],
                      completions=[[{"role": "assistant", "content": c}] for c in completions],
                      completion_ids=[list(c.encode("utf-8")) for c in completions],
-                     log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None, trainer_state=None, **columns)
+                     log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None,
+                     trainer_state=SimpleNamespace(global_step=0, max_steps=spec.STEPS), **columns)
         except Exception as e:
             raise RewardError(f"reward {entry!r} raised {type(e).__name__}: {e} when called as TRL calls it "
                               "(prompts=, completions=, completion_ids=, the data set's columns and trainer_state, "

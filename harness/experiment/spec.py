@@ -332,6 +332,10 @@ def _cross_checks(spec: Spec) -> None:
     if spec.GRAD_ACCUM % spec.PROCESSES:
         raise SpecError("PROCESSES", f"{spec.PROCESSES} processes must divide GRAD_ACCUM = {spec.GRAD_ACCUM} (TRL's "
                         f"accumulation becomes GRAD_ACCUM / PROCESSES); pick a divisor of {spec.GRAD_ACCUM}")
+    if spec.PROCESSES > 1 and spec.STEPS_PER_GENERATION > 1:
+        raise SpecError("STEPS_PER_GENERATION", "with PROCESSES > 1 TRL cuts each process's share of a generation "
+                        "into steps, the one-process scratch loop the whole round: they would train on different "
+                        "sequences per step; use one of the two")
     if spec.PROMPTS_PER_STEP % spec.PROCESSES:
         raise SpecError("PROCESSES", f"{spec.PROCESSES} processes must divide PROMPTS_PER_STEP = {spec.PROMPTS_PER_STEP} "
                         "so that every process holds whole groups of completions")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -128,12 +129,14 @@ def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
             texts = tokenizer.batch_decode(rec["completion_ids"], skip_special_tokens=True)
             columns = {k: [row[k] for row in group] for k in group[0] if k != "prompt"}
             rewards = {}
-            for fn in fns:
+            for entry, fn in zip(spec.rewards.functions, fns):
                 out = fn(prompts=[row["prompt"] for row in group],
                          completions=[[{"role": "assistant", "content": t}] for t in texts],
                          completion_ids=rec["completion_ids"], log_metric=lambda *a, **k: None,
-                         log_extra=lambda *a, **k: None, trainer_state=None, **columns)
-                rewards[fn.__name__] = [None if v != v else v for v in check_rewards(fn.__name__, out, len(texts))]
+                         log_extra=lambda *a, **k: None,
+                         trainer_state=SimpleNamespace(global_step=r, max_steps=spec.STEPS), **columns)
+                name = fn.__name__ if fn.__name__ not in rewards else entry  # two files' `score`: keep both
+                rewards[name] = [None if v != v else v for v in check_rewards(fn.__name__, out, len(texts))]
             fh.write(json.dumps({
                 "round": r, "prompts": [row["prompt"] for row in group], "prompt_ids": rec["prompt_ids"],
                 "rows": [{k: v for k, v in row.items() if k != "prompt"} for row in group],
