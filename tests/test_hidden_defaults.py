@@ -202,11 +202,12 @@ def test_disable_dropout_against_nn_dropout_modules_is_a_difference(tmp_path):
     assert [(d.check, d.quantity) for d in left] == [("other:resid_pdrop", "dropout while sampling")]
 
 
-def test_disable_dropout_on_a_checkpoint_without_dropout_changes_nothing(qwen_dir):
+def test_disable_dropout_on_a_checkpoint_without_dropout_changes_nothing(qwen_dir, tmp_path):
     diffs, facts, _ = facts_of(local(qwen_dir, "trl.disable_dropout=true"))
     assert diffs == [] and "changes nothing" in facts[("note", "other:disable_dropout", "scratch")].why
-    # without the checkpoint's word, an override is a difference of its own (as before)
-    assert "other:disable_dropout" in [d.check for d in preflight(small_spec("trl.disable_dropout=true"))[1]]
+    # without the checkpoint's word (not on disk yet), an override is a difference of its own (as before)
+    missing = local(tmp_path / "not-downloaded-yet", "trl.disable_dropout=true")
+    assert "other:disable_dropout" in [d.check for d in preflight(missing)[1]]
 
 
 # ---------------------------------------------------------------------------------------------

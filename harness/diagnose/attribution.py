@@ -79,8 +79,15 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     if not checks:
         return [{"cause": "unexplained", "status": "suspected", "fields": [],
                  "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"}]
-    search = CauseSearch(cell.spec, diffs, checks, cell_dir, mode, progress, log)
-    causes = search.minimal_causes()
+    # a difference no spec change aligns (bnpo across processes, say) cannot be tested by a re-run
+    fixed = [c for c in checks if any(alignment_for(diffs, c).get(k) for k in ("set", "drop_trl", "set_trl"))]
+    search = CauseSearch(cell.spec, diffs, fixed, cell_dir, mode, progress, log)
+    causes = search.minimal_causes() if fixed else None
+    if causes is None and len(fixed) < len(checks):  # the untestable ones may carry it: suspected, not unexplained
+        return sorted([{"cause": c, "fields": fields[c], "evidence": evidence(c, result) or (
+            "no spec change aligns it, so no re-run can confirm it" if c not in fixed else None),
+            "fix": fix_for(cell.spec, diffs, c), "status": "suspected", "reruns": search.reruns,
+            "reused": search.reused} for c in checks], key=lambda e: e["cause"] in fixed)
     entries = []
     for c in checks:
         entry = {"cause": c, "fields": fields[c], "evidence": evidence(c, result), "fix": fix_for(cell.spec, diffs, c)}
