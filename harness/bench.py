@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from harness.runlog.atomic import atomic_write_text
+
 TARGETS = {"ratio": 0.5, "peak_gib": 22.0, "harness_pct": 2.0}
 GIB = 2**30
 
@@ -149,7 +151,7 @@ def _free(device: str) -> float:
 
 
 def run_bench(spec, out_dir, log=print, progress: bool = True) -> dict:
-    from harness.experiment.models import checkpoint_dir, resolve_device
+    from harness.experiment.models import checkpoint_dir, resolve_device, run_label
     from harness.runlog.log import device_description, library_versions
     from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
@@ -184,6 +186,7 @@ def run_bench(spec, out_dir, log=print, progress: bool = True) -> dict:
     s, t = figures["scratch"], figures["trl"]
     result = {
         "spec": spec.NAME, "device": device_description(device), "versions": library_versions(),
+        "ran": run_label(spec, device_description(device), ckpt),
         "date": time.strftime("%Y-%m-%d"), "dtype": spec.DTYPE, "steps_per_run": spec.STEPS,
         "matmul_tflops": rate / 1e12, "copy_gb_s": bandwidth / 1e9, "model": facts,
         "generation": {"scratch": _manifest(runs["scratch"][0]).get("generation", ""), "trl": "transformers generate"},
@@ -195,8 +198,8 @@ def run_bench(spec, out_dir, log=print, progress: bool = True) -> dict:
         "peak memory <= 22 GiB (each loop)": max(s["peak_gib"], t["peak_gib"]) <= TARGETS["peak_gib"],
         "harness overhead <= 2% (each loop)": max(s["harness_pct"], t["harness_pct"]) <= TARGETS["harness_pct"],
     }
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "bench.md").write_text(format_bench(result) + "\n")
+    atomic_write_text(out / "bench.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out / "bench.md", format_bench(result) + "\n")
     return result
 
 
@@ -212,7 +215,8 @@ def format_bench(r: dict) -> str:
             ("gen tok/s", "gen_tokens_per_s", "{:,.0f}"), ("train tok/s", "train_tokens_per_s", "{:,.0f}"),
             ("peak GiB", "peak_gib", "{:.1f}"), ("MFU", "mfu", "{:.1%}"), ("harness", "harness_pct", "{:.2f}%"),
             ("floor s", "floor_s", "{:.2f}"), ("x floor", "x_floor", "{:.1f}")]
-    lines = [f"{r['spec']} on {r['device']} ({r['dtype']}), {r['date']}; {r['versions']}",
+    ran = (r.get("ran") or {}).get("text") or f"{r['dtype']} on {r['device']}"
+    lines = [f"{r['spec']}: {ran}; {r['date']}; {r['versions']}",
              f"matmul rate {r['matmul_tflops']:.1f} TFLOP/s, copy bandwidth {r['copy_gb_s']:.0f} GB/s, "
              f"model {r['model']['parameters'] / 1e6:.1f}M parameters; medians over steps 2..{r['steps_per_run']}",
              "", "| loop | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]

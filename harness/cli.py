@@ -1,7 +1,8 @@
 """`python -m harness`: the command line.
 
-Exit codes: 0 success, 1 a run or check failed, 2 bad input (spec, data, model path), refused
-before any model loads.
+Exit codes, a contract (README "Exit codes"): 0 parity or ok, 1 a divergence or differences, 2 bad input (one
+line on stderr: the file, the field, what is wrong, the fix; refused before any model loads), 3 a run that could
+not finish (interrupted, out of memory, a side or the harness crashed). No traceback unless `--debug`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
+
+from harness.runlog.atomic import atomic_write_text
 
 # Nothing here may reach a network: no hub downloads, no telemetry.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,6 +32,44 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 class InputError(ValueError):
     """Bad input found before any model loads (exit 2)."""
+
+
+def out_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot become an output folder (None when it can), found before anything runs, so that a run
+    does not end in a traceback after its first step: a file in the way, or a place this user cannot write."""
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a folder"
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{probe} is a file, so no folder can be made under it"
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        return f"no permission to write in {probe}"
+    return None
+
+
+def make_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """The output folder, made now; a problem with it is bad input (exit 2), not a crash."""
+    path = Path(path)
+    problem = out_dir_problem(path)
+    if problem is None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            problem = f"cannot make {e.filename or path}: {e.strerror}"
+    if problem:
+        raise InputError(f"{flag} {path}: {problem}; give a folder you can write to")
+    return path
+
+
+def check_out_dir(path: str | Path, flag: str = "--out") -> None:
+    """As `make_out_dir`, without making it: for commands whose run makes its own folder."""
+    problem = out_dir_problem(Path(path))
+    if problem:
+        raise InputError(f"{flag} {path}: {problem}; give a folder you can write to")
 
 
 def check_inputs(spec, scratch: bool = True) -> None:
@@ -53,7 +95,10 @@ def check_inputs(spec, scratch: bool = True) -> None:
                               spec.model.vocab_size if spec.model.source == "embedded" else 0)
         if spec.model.source == "local" and not (Path(spec.model.path).expanduser() / "config.json").exists():
             raise ModelSourceError(f"model.path: {spec.model.path} is not a checkpoint directory (no config.json)")
-    except (DataError, ModelSourceError, RewardError, ValueError) as e:
+        from harness.experiment.limits import check_limits
+
+        check_limits(spec, rows)  # prompt length against positions, the memory floor against this machine
+    except (DataError, ModelSourceError, RewardError, ValueError, OSError) as e:  # OSError: an unreadable checkpoint
         raise InputError(str(e)) from None
 
 
@@ -67,6 +112,8 @@ def _load(args):
         flags.append(f"loop.command={json.dumps(args.loop)}")  # a TOML string, whatever the command holds
     if getattr(args, "against", None):
         flags.append(f"loop.against={json.dumps(args.against)}")
+    if getattr(args, "tolerance", None):
+        flags.append(f"TOLERANCE={json.dumps(args.tolerance)}")
     if args.command == "run" and getattr(args, "processes", None):  # parity's --processes adds cells instead
         flags.append(f"PROCESSES={args.processes}")
     return load_spec(args.spec, [*args.set, *flags])
@@ -74,6 +121,7 @@ def _load(args):
 
 def cmd_run(args) -> int:
     spec = _load(args)
+    check_out_dir(args.out)
     check_inputs(spec, scratch=args.side == "scratch")
     if args.side == "trl":
         from trl_runner.translate import translate
@@ -113,20 +161,38 @@ def cmd_run(args) -> int:
     return 0
 
 
+def read_resume(folder: str):
+    """The verdict.json and base spec of the run `--resume` continues; a file that is not a parity run's is bad
+    input (exit 2), not a KeyError."""
+    from harness.experiment.spec import SpecError, parse_spec
+
+    prev = Path(folder) / "verdict.json"
+    restart = "start a new run with --spec and another --out"
+    if not prev.is_file():
+        raise InputError(f"--resume {folder}: no verdict.json there to resume from")
+    try:
+        doc = json.loads(prev.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--resume {folder}: verdict.json there is not readable JSON ({e}); {restart}") from None
+    wrong = ("not a JSON object" if not isinstance(doc, dict) else
+             "no base_spec table" if not isinstance(doc.get("base_spec"), dict) else
+             f"matrix {doc.get('matrix')!r}" if doc.get("matrix") not in ("none", "default", "full") else
+             f"mode {doc.get('mode')!r}" if doc.get("mode") not in ("lockstep", "free") else
+             "processes is not a whole number" if not isinstance(doc.get("processes", 1), int) else
+             "cells_selected is not a list of names" if not isinstance(doc.get("cells_selected", []), list)
+             or not all(isinstance(c, str) for c in doc.get("cells_selected", [])) else None)
+    if wrong:
+        raise InputError(f"--resume {folder}: verdict.json there is not a parity run's ({wrong}); {restart}")
+    try:
+        return doc, parse_spec(doc["base_spec"])
+    except SpecError as e:
+        raise InputError(f"--resume {folder}: verdict.json's base_spec: {e}; {restart}") from None
+
+
 def cmd_parity(args) -> int:
     """The toggle matrix: each cell runs both loops, compares them, and names the cause of a divergence."""
     if args.resume:
-        from harness.experiment.spec import parse_spec
-
-        prev = Path(args.resume) / "verdict.json"
-        if not prev.exists():
-            raise InputError(f"--resume {args.resume}: no verdict.json there to resume from")
-        try:
-            doc = json.loads(prev.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"--resume {args.resume}: verdict.json there is not readable JSON ({e}); start a new run "
-                             "with --spec and another --out") from None
-        spec = parse_spec(doc["base_spec"])
+        doc, spec = read_resume(args.resume)
         if args.spec and _load(args).to_dict() != spec.to_dict():  # resuming must not silently start another run
             raise InputError(f"--resume {args.resume}: that run used another spec than {args.spec} (with its --set "
                              "overrides); resume without --spec, or start the new spec with another --out")
@@ -150,26 +216,26 @@ def cmd_parity(args) -> int:
     if not args.resume and (out / "verdict.json").exists() and not args.force:
         raise InputError(f"--out {out} already holds a parity run (verdict.json): pass --force to replace it, "
                          f"--resume {out} to finish it if it was cut short, or another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out)
     print(f"spec {args.spec} ({spec.NAME}): {spec.STEPS} steps per run, mode {args.mode}, matrix {args.matrix}")
     if diffs and args.matrix != "none":
         print(format_preflight(facts, diffs).split("\n\n")[-1])
-        print("the matrix toggles TRL against a matched spec: align these first, or use --matrix none")
-        return 2
+        raise InputError(f"{args.spec or args.resume}: the two sides differ in {len(diffs)} way(s) (listed above), and "
+                         "the matrix toggles TRL against a matched spec: align these first, or use --matrix none")
     from harness.diagnose.matrix import format_verdict, run_matrix
     from harness.runlog.stops import graceful_stop
 
     with graceful_stop():
         try:
             doc = run_matrix(spec, out, matrix=args.matrix, mode=args.mode, progress=not args.quiet and args.verbose, log=print,
-                      resume=bool(args.resume), processes=args.processes, jobs=args.jobs,
+                      resume=bool(args.resume), processes=args.processes, jobs=args.jobs, started=lambda: _index(out),
                       only=[c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else None)
         except ValueError as e:
             if str(e).startswith("--cells"):
                 raise InputError(str(e)) from None
             raise
     text = format_verdict(doc)
-    (out / "summary.txt").write_text(text + "\n")
+    atomic_write_text(out / "summary.txt", text + "\n")
     print()
     print(text)
     from reports.render import write_parity_report
@@ -177,7 +243,26 @@ def cmd_parity(args) -> int:
     report = write_parity_report(out)
     print(f"\nwrote {out / 'verdict.json'}, {out / 'summary.txt'}")
     print(f"report: {report}")
+    return parity_exit_code(doc)
+
+
+def parity_exit_code(doc: dict) -> int:
+    """0 every cell as expected; 3 a cell whose side crashed or broke the loop contract, or a run cut short (its
+    verdict is not whole, whatever the other cells say); 1 otherwise (a cell not as expected)."""
+    if any(c.get("verdict") in ("failed", "error") for c in doc.get("cells", [])) or not doc.get("complete", True):
+        return 3
     return 0 if doc["ok"] else 1
+
+
+def _index(out: Path) -> None:
+    """The runs index beside `out`, refreshed when a parity run starts (it lists this one as cut short until done);
+    a folder above the run that cannot be written to gets none."""
+    from reports.render import write_index
+
+    try:
+        write_index(out.parent)
+    except OSError:
+        pass
 
 
 def cmd_preflight(args) -> int:
@@ -221,6 +306,8 @@ def cmd_compare(args) -> int:
                                           load_inputs, parse_map)
     from harness.diagnose.freerun import compare_free_inputs
 
+    if args.out:
+        check_out_dir(args.out)
     try:
         inputs = load_inputs(args.run_a, args.run_b, mapping=parse_map(args.map), align=args.align,
                              steps_per_round=args.steps_per_round)
@@ -233,10 +320,9 @@ def cmd_compare(args) -> int:
     text = format_comparison(result, inputs.names, top=0)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "comparison.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        (out / "comparison.txt").write_text(text + "\n")
+        out = make_out_dir(args.out)
+        atomic_write_text(out / "comparison.json", json.dumps(result, indent=2, default=str) + "\n")
+        atomic_write_text(out / "comparison.txt", text + "\n")
         from reports.render import write_compare_report
 
         report = write_compare_report(out, result, frames=(inputs.a, inputs.b))
@@ -246,6 +332,7 @@ def cmd_compare(args) -> int:
 
 def cmd_record(args) -> int:
     spec = _load(args)
+    check_out_dir(args.out)
     check_inputs(spec, scratch=True)
     from harness.record import RecordError, record
 
@@ -260,6 +347,7 @@ def cmd_record(args) -> int:
 def cmd_bench(args) -> int:
     """Both loops on one device in one process (scratch, TRL, scratch), against the measured floor."""
     spec = _load(args)
+    check_out_dir(args.out)
     check_inputs(spec, scratch=True)
     from trl_runner.translate import translate
 
@@ -299,10 +387,19 @@ def cmd_validate(args) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error is bad input like any other: one line on stderr, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {one_line(message)}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness", description=(
+    p = Parser(prog="python -m harness", description=(
         "GRPO parity harness: run a hand-written GRPO loop and TRL's GRPOTrainer from one spec, log every step, "
-        "and compare them."))
+        "and compare them. Exit codes: 0 parity or ok, 1 a divergence or differences, 2 bad input, 3 a run that "
+        "could not finish."))
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (before or after COMMAND)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def spec_args(sp, out_default=None):
@@ -329,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--resume", metavar="DIR", help="continue an interrupted parity run in DIR, keeping its "
                                                      "finished cells (spec, matrix and mode come from DIR)")
     pa.add_argument("--steps", type=int, help="override STEPS")
+    pa.add_argument("--tolerance", choices=("calibrated", "static"),
+                    help="lockstep parity bounds: calibrated (default: K x a noise twin's difference above the static "
+                         "floor; one more scratch run per distinct scratch setting) or static (tolerances.toml alone); "
+                         "overrides TOLERANCE")
     pa.add_argument("--mode", choices=("lockstep", "free"), default="lockstep",
                     help="lockstep: both loops get the same rollouts (default); free: each samples its own, "
                          "several seeds per side")
@@ -407,22 +508,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("spec-help", help="list every spec field with its default and meaning")
     h.set_defaults(func=cmd_spec_help)
+    for sp in sub.choices.values():  # --debug after the command too; SUPPRESS keeps one given before it
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from harness.experiment.spec import SpecError
+# exceptions that mean the input is wrong (exit 2), by class name: their modules need not be imported to match
+BAD_INPUT = ("SpecError", "InputError", "CompareInputError", "DataError", "ModelSourceError", "RewardError",
+             "RecordError")
+DEBUG_HINT = "`--debug` shows the traceback"
 
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def exit_for(e: BaseException) -> tuple[int, str]:
+    """The exit code and the one line on stderr for an exception that reached the command line (README "Exit
+    codes"): 2 bad input, 3 a run that could not finish; everything unforeseen is 3, never a traceback."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & set(BAD_INPUT):
+        return 2, f"error: {one_line(e)}"
+    if isinstance(e, KeyboardInterrupt):
+        return 3, (f"interrupted ({one_line(e) or 'Ctrl-C'}); finished steps are in the metric logs; `python -m "
+                   "harness parity --resume DIR` continues a parity run")
+    if isinstance(e, FloatingPointError):
+        return 3, f"run failed: {one_line(e)}; the metric log keeps every step up to it"
+    if isinstance(e, MemoryError) or "OutOfMemoryError" in names:
+        return 3, (f"out of memory ({one_line(e) or type(e).__name__}): smaller micro-batches (raise GRAD_ACCUM), "
+                   "fewer tokens (MAX_TOKENS, MAX_PROMPT_TOKENS) or a bigger machine; `python -m harness validate` "
+                   "estimates the peak")
+    return 3, f"failed: {type(e).__name__}: {one_line(e)[:500]} ({DEBUG_HINT})"
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, InputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except FloatingPointError as e:
-        print(f"run failed: {e}; the metric log keeps every step up to it", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:
-        print(f"interrupted ({e}); finished steps are in the metric logs; `python -m harness parity --resume DIR` "
-              "continues a parity run", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as e:
+        code, line = exit_for(e)
+        if args.debug:
+            traceback.print_exc()
+        print(line, file=sys.stderr)
+        return code

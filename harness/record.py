@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness.runlog.atomic import atomic_write_text
+
 REFERENCE_FILE = "reference.json"
 
 
@@ -49,7 +51,7 @@ def record(spec, spec_path: str, out: str | Path, force: bool = False, allow_dir
             "device": device_description(resolve_device(spec)), "git_commit": git_commit(),
             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": spec.STEPS,
             "lockstep_parity": result["first_divergence"] is None}
-    (out / REFERENCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    atomic_write_text(out / REFERENCE_FILE, json.dumps(meta, indent=2) + "\n")
     for side in ("scratch", "trl"):  # a reference keeps logs, not weights sketches or TRL's output folder
         for extra in ("param_sketch.f32", "param_sketch.json", "trl_output"):
             p = out / side / extra

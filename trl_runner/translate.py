@@ -12,6 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from harness.experiment.models import precision_words
 from harness.experiment.spec import SpecError
 
 LOSS_TYPES = {"sequence": "grpo", "token_local": "bnpo", "token_global": "dapo", "constant": "dr_grpo"}
@@ -43,6 +44,131 @@ def grpo_config_fields() -> set[str]:
     from trl import GRPOConfig
 
     return {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+# Values TRL documents only in a field's help (GRPOConfig gives no `choices`) and refuses late, at the trainer's
+# start or first loss; a value a newer TRL quotes in that help passes too.
+TRL_CHOICES = {
+    "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+    "scale_rewards": ("group", "batch", "none", True, False),
+    "importance_sampling_level": ("token", "sequence"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "vllm_mode": ("server", "colocate"),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+}
+# Ranges GRPOConfig does not check itself (its __post_init__ catches batch divisibility and num_generations < 2,
+# not these); a value outside dies at the first step or trains on nonsense. "[a, b)": interval notation.
+TRL_RANGES = {
+    "learning_rate": "(0, inf)", "num_generations": "[2, inf)", "per_device_train_batch_size": "[1, inf)",
+    "gradient_accumulation_steps": "[1, inf)", "steps_per_generation": "[1, inf)", "generation_batch_size": "[1, inf)",
+    "max_completion_length": "[1, inf)", "num_iterations": "[1, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]",
+    "top_k": "[0, inf)", "min_p": "[0, 1]", "repetition_penalty": "(0, inf)", "beta": "[0, inf)", "epsilon": "[0, inf)",
+    "epsilon_high": "[0, inf)", "delta": "(0, inf)", "max_grad_norm": "[0, inf]", "weight_decay": "[0, inf)",
+    "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_epsilon": "[0, inf)", "warmup_steps": "[0, inf)",
+    "max_steps": "[1, inf)", "logging_steps": "(0, inf)", "seed": "[0, inf)", "vllm_gpu_memory_utilization": "(0, 1]",
+    "vllm_importance_sampling_clip_min": "[0, inf)", "vllm_importance_sampling_clip_max": "(0, inf)",
+}
+
+
+def in_interval(value, interval: str) -> bool:
+    """`value` in an interval written "[a, b)" ("inf" allowed); NaN is in none."""
+    lo_text, hi_text = interval[1:-1].split(",")
+    lo, hi = float(lo_text), float(hi_text)
+    above = value > lo if interval[0] == "(" else value >= lo
+    below = value < hi if interval[-1] == ")" else value <= hi
+    return above and below
+
+
+def accepts(tp, value) -> bool:
+    """Whether a TOML value fits a GRPOConfig field's annotation (unions, Optional, Literal, str enums, lists of a
+    type); an annotation TOML cannot write (a config object) is left to GRPOConfig."""
+    import enum
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        enums = _enums(tp)
+        if enums and isinstance(value, str):  # `SchedulerType | str`: a string that names a member
+            return any(accepts(a, value) for a in enums)
+        return any(accepts(a, value) for a in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is typing.Any:
+        return True
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value in {m.value for m in tp}
+    if tp is str:
+        return isinstance(value, str)
+    if (origin or tp) is list:
+        return isinstance(value, list) and (not args or all(accepts(args[0], v) for v in value))
+    if (origin or tp) is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _enums(tp) -> list:
+    import enum
+    import typing
+
+    return [a for a in typing.get_args(tp) if isinstance(a, type) and issubclass(a, enum.Enum)]
+
+
+def _annotation_text(tp) -> str:
+    import typing
+
+    if _enums(tp):
+        return "one of " + ", ".join(repr(m.value) for e in _enums(tp) for m in e)
+    text = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
+    return text or str(tp).replace("typing.", "")
+
+
+def check_trl_value(key: str, value, tp, help_text: str = "") -> None:
+    """One `[trl]` value against its GRPOConfig field: type, the documented choices, the range; SpecError naming
+    `trl.<key>`, the value and what is allowed."""
+    import math
+
+    choices = TRL_CHOICES.get(key)
+    if choices is not None:
+        documented = isinstance(value, str) and any(f"{q}{value}{q}" in help_text for q in "'`\"")
+        if not documented and not any(value == c and type(value) is type(c) for c in choices):
+            raise SpecError(f"trl.{key}", f"must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        return
+    if not accepts(tp, value):
+        raise SpecError(f"trl.{key}", f"GRPOConfig.{key} is {_annotation_text(tp)}; got {type(value).__name__} "
+                        f"{value!r}")
+    numbers = [v for v in (value if isinstance(value, list) else [value])
+               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if any(isinstance(v, float) and math.isnan(v) for v in numbers):
+        raise SpecError(f"trl.{key}", f"must be a number, got {value!r}")
+    interval = TRL_RANGES.get(key)
+    if interval and numbers and not in_interval(numbers[0], interval):
+        raise SpecError(f"trl.{key}", f"must be in {interval}; got {value!r}")
+
+
+def check_trl_overrides(overrides: dict) -> None:
+    """Every `[trl]` value against the installed TRL's GRPOConfig field types, choices and ranges, before any
+    model loads (GRPOConfig itself checks few of them; the rest fail mid-run)."""
+    import typing
+
+    from trl import GRPOConfig
+
+    hints = typing.get_type_hints(GRPOConfig)
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for key, value in overrides.items():
+        if key in fields:
+            check_trl_value(key, value, hints.get(key, typing.Any), fields[key].metadata.get("help", ""))
+            meta_choices = fields[key].metadata.get("choices")
+            if meta_choices and value not in meta_choices:
+                raise SpecError(f"trl.{key}", f"must be one of {', '.join(map(repr, meta_choices))}; got {value!r}")
 
 
 @dataclasses.dataclass
@@ -122,6 +248,7 @@ def translate(spec) -> Translation:
             fix = REPLACED.get(key, "remove it from [trl], or install the TRL release that has it")
             raise SpecError(f"trl.{key}" if key in overrides else key,
                             f"GRPOConfig of the installed TRL {version} has no field {key!r} ({where}); {fix}")
+    check_trl_overrides(overrides)
     final = {**kw, **overrides}
 
     spg = final.get("steps_per_generation") or final["gradient_accumulation_steps"]
@@ -220,7 +347,8 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     T.append(_row("other", "DETERMINISTIC", spec.DETERMINISTIC, "full_determinism", kw["full_determinism"],
                   "both call transformers' enable_full_determinism"))
     T.append(_row("other", "DTYPE / DEVICE", f"{spec.DTYPE} / {spec.DEVICE}", "bf16 / use_cpu",
-                  f"{kw['bf16']} / {kw['use_cpu']}", "bf16: fp32 master weights, bf16 autocast, on both sides"))
+                  f"{kw['bf16']} / {kw['use_cpu']}",
+                  precision_words(spec.DTYPE, getattr(spec, "MASTER_WEIGHTS", "float32")) + ", on both sides"))
     for key, value in overrides.items():
         T.append(_row(CHECK_OF_FIELD.get(key, "other"), "[trl] override", "", key, value,
                       "set by the spec's [trl] table, after the translation"))
@@ -228,7 +356,9 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
 
 
 def write_mapping(translation: Translation, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(translation.table, indent=2, default=str) + "\n")
+    from harness.runlog.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(translation.table, indent=2, default=str) + "\n")
 
 
 def format_mapping(table: list[dict]) -> str:

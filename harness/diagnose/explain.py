@@ -24,6 +24,7 @@ from pathlib import Path
 
 from harness.diagnose.compare import load_tolerances, tolerance_for
 from harness.diagnose.preflight import apply_alignment
+from harness.runlog.atomic import atomic_write_text
 
 MAX_DEPTH = 3
 IMPROVES = 0.9  # a change is kept only if it cuts the distance by at least 10%
@@ -170,7 +171,7 @@ def _entry(changes: dict, comparison: dict, runs: int, cell_dir: Path, spec) -> 
     lines = ["# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation matched",
              f"# your loop on the same rollouts at every step (cell {cell_dir.name}, {runs} TRL runs searched).",
              "[trl]"] + [f"{k} = {_toml(v)}" for k, v in changes.items()]
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     sentence = (f"your loop matches TRL with {_words(changes)} (steps 1-{steps} within tolerance): set "
                 f"{'them' if len(changes) > 1 else 'it'} in [trl] to match (written to {path})")
     return {"cause": "+".join(changes), "status": "confirmed", "fields": sorted(changes), "evidence": sentence,

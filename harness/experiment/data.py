@@ -29,7 +29,12 @@ def load_rows(data_spec) -> list[dict]:
     elif data_spec.source == "gsm8k":
         from datasets import load_dataset  # the real loader; it needs the hub or a populated HF cache
 
-        rows = load_dataset("openai/gsm8k", "main", split=data_spec.split).to_list()
+        try:
+            rows = load_dataset("openai/gsm8k", "main", split=data_spec.split).to_list()
+        except (OSError, ValueError) as e:  # offline without a cache (ConnectionError), an unknown split
+            raise DataError(f"data.source = \"gsm8k\": cannot load openai/gsm8k split {data_spec.split!r} here "
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); fill the HF cache on a "
+                            "machine with a network, or use source = \"file\" with a .jsonl copy") from None
     else:
         rows = read_file_rows(Path(data_spec.path))
     if data_spec.source != "synthetic" and data_spec.size:
@@ -42,7 +47,12 @@ def read_file_rows(path: Path) -> list[dict]:
         raise DataError(f"data.path: {path} does not exist")
     if path.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"data.path: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                            f"{e.start}); JSONL is UTF-8: save it as UTF-8") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -99,19 +99,27 @@ def _model_key(model_spec, vocab: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build_model(model_spec, tokenizer):
-    """A Qwen3ForCausalLM with seeded random weights (float32, CPU): same spec, same weights."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def model_config(model_spec, tokenizer):
+    """The embedded model's Qwen3Config (also what the size limits read, before any weights exist)."""
+    from transformers import Qwen3Config
 
     m = model_spec
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=m.hidden, intermediate_size=m.intermediate,
         num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
         head_dim=m.head_dim or m.hidden // m.heads, max_position_embeddings=m.max_positions, tie_word_embeddings=True,
         initializer_range=m.init_std, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
+
+
+def build_model(model_spec, tokenizer):
+    """A Qwen3ForCausalLM with seeded random weights (float32, CPU): same spec, same weights."""
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    m = model_spec
+    config = model_config(m, tokenizer)
     cpu_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(m.init_seed)

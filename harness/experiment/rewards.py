@@ -17,6 +17,7 @@ objects, and `check_reward_functions` calls each once on two data rows before an
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -24,7 +25,10 @@ import inspect
 import math
 import numbers
 import re
+import signal
 import sys
+import threading
+import time
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from types import SimpleNamespace
@@ -218,7 +222,9 @@ def resolve_reward(entry: str) -> Callable[..., list[float]]:
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module
             module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's file: say which and why, never a traceback
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # the user's file (SystemExit included): say which and why, never a traceback
             sys.modules.pop(name, None)
             raise RewardError(f"reward {entry!r}: importing {path} failed: {type(e).__name__}: {e}") from None
     else:
@@ -256,9 +262,39 @@ def reward_provenance(spec) -> list[dict]:
     return out
 
 
+CHECK_SECONDS = 120.0  # the check calls each of your functions on two rows; longer is an error (0: no limit)
+
+
+class _TooSlow(BaseException):  # (not an Exception: a reward function's own `except Exception` lets it through)
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise _TooSlow in the main thread after `seconds` (SIGALRM; elsewhere, or with 0, no limit)."""
+    if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise _TooSlow()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    t0 = time.monotonic()
+    outer, _interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if outer:  # someone else's alarm (a test timeout, say) was pending: set it again, less the time spent
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 1e-3))
+
+
 def check_reward_functions(spec, rows: list[dict]) -> None:
     """Import every reward function and call it once, as TRL does, on two data rows (their reference answers
-    as completions); raises RewardError naming the function and the fix. Built-in names are trusted."""
+    as completions), within CHECK_SECONDS; raises RewardError naming the function and the fix. Built-in names are
+    trusted."""
     sample = rows[:2]
     if not sample:
         return
@@ -269,19 +305,24 @@ def check_reward_functions(spec, rows: list[dict]) -> None:
         if entry in REWARDS:
             continue
         try:
-            out = fn(prompts=[r["prompt"] for r in sample],
-                     completions=[[{"role": "assistant", "content": c}] for c in completions],
-                     completion_ids=[list(c.encode("utf-8")) for c in completions],
-                     log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None,
-                     trainer_state=SimpleNamespace(global_step=0, max_steps=spec.STEPS), **columns)
-        except Exception as e:
+            with _time_limit(CHECK_SECONDS):
+                out = fn(prompts=[r["prompt"] for r in sample],
+                         completions=[[{"role": "assistant", "content": c}] for c in completions],
+                         completion_ids=[list(c.encode("utf-8")) for c in completions],
+                         log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None,
+                         trainer_state=SimpleNamespace(global_step=0, max_steps=spec.STEPS), **columns)
+                values = list(out) if hasattr(out, "__iter__") and not isinstance(out, (str, bytes, dict)) else out
+        except _TooSlow:
+            raise RewardError(f"reward {entry!r} took more than {CHECK_SECONDS:g} s to score two completions: a "
+                              "training run calls it on every generation batch; make it faster") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # the user's code (SystemExit included): say which and why, never a traceback
             raise RewardError(f"reward {entry!r} raised {type(e).__name__}: {e} when called as TRL calls it "
                               "(prompts=, completions=, completion_ids=, the data set's columns and trainer_state, "
                               "log_metric, log_extra as keyword arguments): accept **kwargs and return one float "
                               "(or None) per completion") from None
-        try:
-            values = list(out)
-        except TypeError:
+        if not isinstance(values, list):
             raise RewardError(f"reward {entry!r} returned {type(out).__name__}, not a list: return one float (or None) "
                               f"per completion") from None
         if len(values) != len(sample):
@@ -289,5 +330,10 @@ def check_reward_functions(spec, rows: list[dict]) -> None:
                               "exactly one float (or None) per completion")
         bad = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real))]
         if bad:
-            raise RewardError(f"reward {entry!r} returned {type(bad[0]).__name__} {bad[0]!r}: each value must be a "
-                              "float or None (None counts as TRL counts it: NaN, then 0 in the weighted sum)")
+            raise RewardError(f"reward {entry!r} returned {type(bad[0]).__name__} {repr(bad[0])[:80]}: each value must "
+                              "be a float or None (None counts as TRL counts it: NaN, then 0 in the weighted sum)")
+        try:
+            [float(v) for v in values if v is not None]
+        except OverflowError:
+            raise RewardError(f"reward {entry!r} returned an integer too large for a float: return one float (or None) "
+                              "per completion") from None

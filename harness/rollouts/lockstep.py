@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from harness.rollouts.fastgen import sample_policy, static_decoder_for
+from harness.runlog.atomic import atomic_open
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 
@@ -72,6 +73,30 @@ class RecordingSource:
         return completions, logps
 
 
+def _ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(row, list) and all(type(t) is int and t >= 0 for t in row)
+                                           for row in value)
+
+
+def _record_problem(rec) -> str | None:
+    """What keeps `rec` from being one round's rollout record, or None."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object {{\"round\", \"prompt_ids\", \"completion_ids\", \"logprobs\"}}"
+    for key in ("prompt_ids", "completion_ids"):
+        if not _ids(rec.get(key)):
+            return f"{key} is not a list of token-id lists (non-negative integers)"
+    if len(rec["prompt_ids"]) != len(rec["completion_ids"]):
+        return f"{len(rec['prompt_ids'])} prompts but {len(rec['completion_ids'])} completions"
+    logps = rec.get("logprobs")
+    if logps is not None:
+        if not (isinstance(logps, list) and len(logps) == len(rec["completion_ids"]) and all(
+                isinstance(row, list) and len(row) == len(ids) and
+                all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
+                for row, ids in zip(logps, rec["completion_ids"]))):
+            return "logprobs is neither null nor one list of numbers per completion token"
+    return None
+
+
 class ReplaySource:
     """Hands out recorded rollouts round by round.
 
@@ -86,7 +111,24 @@ class ReplaySource:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ReplaySource":
-        return cls([json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()])
+        """A recorded rollouts.jsonl. A truncated last line (a recorder killed mid-write) is dropped, as the metric
+        log's reader does; any other line that is not one round's record is a ValueError naming the line."""
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        records = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                if n == len(lines):
+                    break
+                raise ValueError(f"line {n} is not JSON ({e.msg})") from None
+            problem = _record_problem(rec)
+            if problem:
+                raise ValueError(f"line {n}: {problem}")
+            records.append(rec)
+        return cls(records)
 
     def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy, part=(0, 1)):
         """`part` = (rank, processes): a process of a multi-process side asks for its slice of the round."""
@@ -118,8 +160,7 @@ def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
     schedule = prompt_schedule(len(rows), len(records), spec.PROMPTS_PER_STEP * spec.STEPS_PER_GENERATION, spec.SEED)
     fns = reward_functions(spec)
     path = Path(path)
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_open(path, "w") as fh:
         for rec in records:
             r = rec["round"]
             group = [rows[i] for i in schedule[r] for _ in range(spec.GROUP_SIZE)]
@@ -142,5 +183,4 @@ def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
                 "rows": [{k: v for k, v in row.items() if k != "prompt"} for row in group],
                 "completions": texts, "completion_ids": rec["completion_ids"], "logprobs": rec.get("logprobs"),
                 "rewards": rewards, "reward_weights": list(spec.rewards.weights)}) + "\n")
-    tmp.replace(path)
     return path

@@ -23,7 +23,9 @@ import time
 import warnings
 from pathlib import Path
 
+from harness.experiment.models import run_label
 from harness.experiment.rewards import reward_provenance
+from harness.runlog.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"  # a few completions per generation step, for reports
@@ -77,9 +79,7 @@ def _clean(value):
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(_clean(data), indent=2, sort_keys=False, default=str) + "\n")
 
 
 class RunWriter:
@@ -98,6 +98,7 @@ class RunWriter:
             "seeds": {"SEED": spec.SEED, "model.init_seed": spec.model.init_seed, "data.seed": spec.data.seed},
             "versions": library_versions(),
             "device": device_description(device),
+            "ran": run_label(spec, device_description(device)),  # dtype, autocast, device, model and its weights hash
             "git_commit": git_commit(),
             "command": sys.argv,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -171,13 +172,25 @@ def read_run(run_dir: str | Path):
 
     run_dir = Path(run_dir)
     rows, problems = read_metrics(run_dir / METRICS_FILE)
+    stepped = [r for r in rows if isinstance(r.get("step"), (int, float)) and not isinstance(r["step"], bool)]
+    if len(stepped) < len(rows):
+        problems.append(f"{run_dir / METRICS_FILE}: {len(rows) - len(stepped)} row(s) without a step number; skipped")
     for p in problems:
         warnings.warn(p, stacklevel=2)
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(stepped)
     if not df.empty:
         df = df.set_index("step", drop=False).sort_index()
     manifest_path = run_dir / MANIFEST_FILE
-    df.attrs["manifest"] = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest = {}
+    if manifest_path.exists():
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            problems.append(f"{manifest_path}: not readable JSON ({e}); read without it")
+        if not isinstance(manifest, dict):
+            problems.append(f"{manifest_path}: not a JSON object; read without it")
+            manifest = {}
+    df.attrs["manifest"] = manifest
     df.attrs["problems"] = problems
     return df
 

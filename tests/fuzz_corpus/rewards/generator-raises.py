@@ -1,0 +1,2 @@
+def score(completions, **kwargs):
+    return (1 / 0 for _ in completions)

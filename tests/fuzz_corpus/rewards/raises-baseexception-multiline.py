@@ -1,0 +1,2 @@
+def score(completions, **kwargs):
+    raise BaseException('line one\nline two')

@@ -1,0 +1,2 @@
+def score(completions, **kwargs):
+    return [10 ** 400] * len(completions)

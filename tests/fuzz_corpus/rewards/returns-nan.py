@@ -1,0 +1,2 @@
+def score(completions, **kwargs):
+    return [float('nan')] * len(completions)
