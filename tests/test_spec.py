@@ -15,7 +15,27 @@ def test_shipped_specs_load():
     assert (lesson.GROUP_SIZE, lesson.PROMPTS_PER_STEP, lesson.GRAD_ACCUM, lesson.MAX_TOKENS) == (8, 8, 4, 512)
     assert (lesson.LR, lesson.ADAM_BETA2, lesson.CLIP_LOW, lesson.CLIP_HIGH, lesson.BETA) == (1e-6, 0.98, 0.2, 0.28, 0.0)
     assert lesson.sampler.kind == "vllm" and lesson.sampler.vllm_gpu_memory_utilization == 0.30
-    assert lesson.DTYPE == "bfloat16" and lesson.model.path == "./models/Qwen3-0.6B"
+    assert lesson.DTYPE == "bfloat16" and lesson.model.path == str(ROOT / "models" / "Qwen3-0.6B")
+
+
+def test_paths_in_a_spec_are_relative_to_its_folder_and_set_paths_to_the_cwd(tmp_path, monkeypatch):
+    folder = tmp_path / "exp"
+    (folder / "ckpt").mkdir(parents=True)
+    text = DEFAULT_SPEC.read_text().replace('source = "embedded"', 'source = "local"\npath = "ckpt"')
+    text = text.replace('source = "synthetic"', 'source = "file"\npath = "data/train.jsonl"')
+    spec_path = folder / "spec.toml"
+    spec_path.write_text(text + '\n[loop]\ncwd = "."\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # another working directory: the file's paths still mean its folder
+    spec = load_spec(spec_path)
+    assert (spec.model.path, spec.data.path, spec.loop.cwd) == \
+        (str(folder / "ckpt"), str(folder / "data" / "train.jsonl"), str(folder))
+    absolute = tmp_path / "abs.parquet"
+    typed = load_spec(spec_path, ['model.path="mine"', f'data.path="{absolute}"', 'loop={cwd = "run"}'])
+    assert (typed.model.path, typed.data.path, typed.loop.cwd) == \
+        (str(elsewhere / "mine"), str(absolute), str(elsewhere / "run"))  # --set: the working directory
+    assert load_spec(spec_path, ['model.path="~/m"']).model.path == "~/m"  # a home path is absolute: unchanged
 
 
 @pytest.mark.parametrize("override, key, words", [

