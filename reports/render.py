@@ -13,8 +13,12 @@ import io
 import json
 import math
 from pathlib import Path
+from urllib.parse import quote
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from harness.diagnose import noise
+from harness.runlog.atomic import atomic_write_text
 
 TEMPLATES = Path(__file__).with_name("templates")
 GROUPS = {
@@ -37,6 +41,7 @@ SHORT = {"completions/mean_length": "length", "param_rel_l2": "weights (rel. L2)
          "sampling/importance_sampling_ratio/mean": "IS ratio"}
 CHECK_TITLES = {"batch": "1. Batch semantics", "loss_type": "2. loss_type",
                 "importance_sampling": "3. Importance-sampling correction"}
+TEXT_LIMIT = 4000  # characters of one prompt or completion shown in a report
 
 
 def _env() -> Environment:
@@ -125,12 +130,17 @@ def classify_metrics(a, b, metrics) -> dict:
 
 
 def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch", "trl"), rel_l2=None,
-                  spread=None, cols: int = 3) -> str | None:
+                  spread=None, cols: int = 3, envelope=None, k_noise: float = 10.0) -> str | None:
     """Per metric: both curves overlaid (or each side's seed spread), the difference below on its own scale with
-    the tolerance band around 0, and a red line at the first divergence. Only metrics with data are drawn."""
+    the tolerance band around 0, and a red line at the first divergence. Only metrics with data are drawn.
+    `envelope`: the noise twin's (calibrated tolerance): drawn in grey behind the difference, and the band is the
+    larger of the static bound and k_noise times it."""
     import matplotlib
+    import numpy as np
+    import pandas as pd
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # titles are metric and run names, not TeX: a `$` stays a `$`
     import matplotlib.pyplot as plt
 
     panels = []
@@ -155,7 +165,12 @@ def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch
                      marker="o" if finite < 3 else None)
             top.set_xlim(0.5, len(rel_l2) + 0.5)
             lim = (tolerance or {}).get("param_rel_l2", {}).get("max")
-            if lim:
+            env = envelope.at(m, steps) if envelope is not None else None
+            if env is not None:
+                top.plot(steps, [max(v, 1e-12) for v in env], color="#888", lw=1.2, label="noise twin")
+                top.plot(steps, [max(lim or 0.0, k_noise * v, 1e-12) for v in env], color="#999", ls="--", lw=1,
+                         label=f"tolerance (max of floor, {k_noise:g}x noise)")
+            elif lim:
                 top.axhline(lim, color="#999", ls="--", lw=1, label="tolerance")
             top.set_yscale("log")
             top.legend(fontsize=8, loc="lower right")
@@ -175,6 +190,12 @@ def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch
                 bottom.plot(d.index, d.values, color="#333", lw=1.2)
                 bottom.axhline(0, color="#bbb", lw=0.8)
                 band = _band((tolerance or {}).get(m), y)
+                env = envelope.at(m, d.index, y.reindex(d.index).to_numpy()) if envelope is not None else None
+                if env is not None:
+                    env = pd.Series(env, index=d.index)
+                    bottom.fill_between(d.index, (-env).values, env.values, color="#777", alpha=0.35, lw=0,
+                                        label="noise twin")
+                    band = env * k_noise if band is None else np.maximum(band.reindex(d.index), env * k_noise)
                 if band is not None and not d.empty:
                     band = band.reindex(d.index)
                     bottom.fill_between(d.index, (-band).values, band.values, color="#2ca02c", alpha=0.15, lw=0,
@@ -215,6 +236,7 @@ def overview_figure(cells: list[dict], tolerance_max: float | None = None) -> st
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     parted = [c for c in cells if c.get("first_divergence") and c.get("_frames")]
@@ -274,8 +296,20 @@ def _read(run_dir: Path):
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        df = read_run(run_dir)
+        try:
+            df = read_run(run_dir)
+        except (OSError, ValueError):  # not a readable metric log (binary, say): the report shows the run without it
+            return None
     return None if df.empty else df
+
+
+def _json_file(path: Path, default):
+    """A JSON file's value when it is of the default's type; the default when it is missing or damaged."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return default
+    return value if isinstance(value, type(default)) else default
 
 
 def _completions(run_dir: Path, step: int | None) -> list[dict]:
@@ -286,11 +320,17 @@ def _completions(run_dir: Path, step: int | None) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    for line in lines:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and not isinstance(row["step"], bool):
+            rows.append(row)
     steps = sorted({r["step"] for r in rows})
     if not steps:
         return []
@@ -301,9 +341,17 @@ def _completions(run_dir: Path, step: int | None) -> list[dict]:
             prompt = r.get("prompt")
             if isinstance(prompt, list):
                 prompt = " | ".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
-            out.append({"step": pick, "prompt": str(prompt), "completion": str(r.get("completion", "")),
+            out.append({"step": pick, "prompt": clip_text(str(prompt)),
+                        "completion": clip_text(str(r.get("completion", ""))),
                         "advantage": r.get("advantage"), "rewards": r.get("rewards", {})})
     return out
+
+
+def clip_text(text: str, limit: int | None = None) -> str:
+    """`text` cut to `limit` characters with a visible mark, so that a 20 MB question (times every completion of
+    it, times every cell) does not make an 80 MB report; the run folder's completions.jsonl keeps it whole."""
+    limit = TEXT_LIMIT if limit is None else limit
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} chars cut)"
 
 
 def _three_checks(a, b, manifest_a: dict, manifest_b: dict) -> list[dict]:
@@ -344,6 +392,24 @@ def _three_checks(a, b, manifest_a: dict, manifest_b: dict) -> list[dict]:
          "trl": is_b + (f" ({trl_cfg.get('vllm_importance_sampling_mode')})" if is_b == "on" else "") + ratio(b),
          "differs": is_a != is_b},
     ]
+
+
+def _noise_note(cell: dict, calibrated: bool, k: float) -> str | None:
+    """One sentence on the calibrated tolerance: the largest difference-to-noise ratio and the smallest weight
+    difference the run could have shown."""
+    if not calibrated:
+        return None
+    metrics = cell.get("metrics", {})
+    ratios = [(m["ratio_to_noise"], name) for name, m in metrics.items() if m.get("ratio_to_noise") is not None]
+    text = (f"Calibrated tolerance: a metric diverges beyond {k:g}x the noise twin's difference (grey; the same scratch "
+            "run changed only in its rounding) and beyond the static bound.")
+    if ratios:
+        r, name = max(ratios)
+        text += f" Largest difference / noise: {r:.3g} ({name})."
+    w = metrics.get("param_rel_l2", {}).get("noise_last")
+    if w is not None:
+        text += f" The smallest weight difference this run could have shown: {k * w:.2g} (relative L2)."
+    return text
 
 
 def _matrix_view(cells: list[dict]) -> tuple[list[str], list[dict]]:
@@ -427,7 +493,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     manifest_a = (a.attrs.get("manifest") if a is not None else None) or {}
     manifest_b = (b.attrs.get("manifest") if b is not None else None) or {}
     mapping_path = b_root / "mapping.json"
-    mapping = json.loads(mapping_path.read_text()) if mapping_path.exists() else []
+    mapping = _json_file(mapping_path, [])
     fd = cell.get("first_divergence")
     tol = tolerances.get("lockstep", {}).get(manifest_a.get("spec", {}).get("DTYPE", "float32"), {})
     # timing metrics get no curve and no tolerance: they differ run to run by nature
@@ -436,6 +502,13 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         ordered += sorted((set(a.columns) & set(b.columns)) - set(ordered) - TIMING - NOT_CURVES)
     tol_by_metric = {m: tol.get(m, tol.get("default", {})) for m in ordered}
     tol_by_metric["param_rel_l2"] = tol.get("param_rel_l2", {})
+    try:
+        envelope = noise.load(cell_dir) if mode == "lockstep" else None  # the noise twin's: calibrated tolerance
+    except (OSError, ValueError, KeyError, TypeError):  # a damaged envelope file: the static bands only
+        envelope = None
+    if envelope is not None:
+        tol_by_metric["param_rel_l2"] = {"max": tolerances.get("calibrated", {}).get("param_rel_l2_floor", 1e-5)}
+    k_noise = float(tolerances.get("calibrated", {}).get("k", 10.0))
     kinds = classify_metrics(a, b, ordered)
     plot = kinds["plot"] if full else [m for m in kinds["plot"] if m in KEY_METRICS]
     if fd and fd.get("metric") in plot:  # the metric where the sides part comes first
@@ -445,7 +518,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     figures = []
     if shown:
         img = curves_figure(a, b, shown[:MAX_PANELS], fd, tol_by_metric if mode == "lockstep" else None, rel_l2=rel,
-                            spread=spread, names=sides)
+                            spread=spread, names=sides, envelope=envelope, k_noise=k_noise)
         if img:
             figures.append({"group": "metrics that differ", "img": img})
     kinds["not_drawn"] = shown[MAX_PANELS:] + ([m for m in kinds["plot"] if m not in plot])
@@ -453,7 +526,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
                        for side, df in zip(sides, (a, b)) if df is not None}
     step = fd["step"] if fd else None
     return {
-        **cell, "figures": figures, "full": full,
+        **cell, "noise_note": _noise_note(cell, envelope is not None, k_noise), "figures": figures, "full": full,
         # the lesson's checks read the scratch loop's spec; a user's loop keeps its choices to itself
         "checks": _three_checks(a, b, manifest_a, manifest_b) if a is not None and b is not None and
         sides == ("scratch", "trl") else [], "sides": sides,
@@ -494,8 +567,11 @@ def write_parity_report(out_dir: str | Path) -> Path:
                                                          matrix_rows=matrix_rows, headline=headline(doc),
                                                          overview=overview)
     path = out_dir / "report.html"
-    path.write_text(html)
-    write_index(out_dir.parent)
+    atomic_write_text(path, html)
+    try:
+        write_index(out_dir.parent)
+    except OSError:  # the folder above the run is not ours to write to: no index, the report stands
+        pass
     return path
 
 
@@ -524,7 +600,7 @@ def write_compare_report(out_dir: str | Path, result: dict, frames=None) -> Path
             figures.append({"group": group, "img": img})
     html = _env().get_template("compare.html.j2").render(result=result, figures=figures, names=names)
     path = out_dir / "report.html"
-    path.write_text(html)
+    atomic_write_text(path, html)
     return path
 
 
@@ -537,12 +613,15 @@ def write_index(root: str | Path) -> Path | None:
             doc = json.loads(v.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError, OSError):
             continue  # a folder that is not a readable parity run is not listed
-        runs.append({"name": v.parent.name, "ok": doc.get("ok"), "complete": doc.get("complete", True),
+        if not isinstance(doc, dict) or not isinstance(doc.get("cells", []), list):
+            continue
+        cells = [c for c in doc.get("cells", []) if isinstance(c, dict)]
+        runs.append({"name": v.parent.name, "ok": doc.get("ok") is True, "complete": doc.get("complete", True) is True,
                      "mode": doc.get("mode"), "matrix": doc.get("matrix"),
-                     "cells": len(doc.get("cells", [])), "as_expected": sum(c.get("ok", False) for c in doc["cells"]),
-                     "report": f"{v.parent.name}/report.html", "spec": doc.get("spec")})
+                     "cells": len(cells), "as_expected": sum(c.get("ok") is True for c in cells),
+                     "report": f"./{quote(v.parent.name)}/report.html", "spec": doc.get("spec")})
     if len(runs) < 2:
         return None
     path = root / "index.html"
-    path.write_text(_env().get_template("index.html.j2").render(runs=runs, root=str(root)))
+    atomic_write_text(path, _env().get_template("index.html.j2").render(runs=runs, root=str(root)))
     return path

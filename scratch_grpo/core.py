@@ -305,3 +305,27 @@ def clip_stats(rho: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_lo
         "clip_ratio/low_min": torch.nan_to_num(per_seq(low), nan=math.inf).min().item(),
         "clip_ratio/high_max": torch.nan_to_num(per_seq(high), nan=-math.inf).max().item(),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# the noise twin: a change to the weights that only rounding could have made
+# ---------------------------------------------------------------------------------------------
+def ulp_step(x: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` moved by one unit in the last place of `dtype` (up where `up`, down elsewhere), kept in x's dtype.
+
+    The step is taken from x's value rounded to `dtype`, so an fp32 weight moves by one bf16 step when `dtype`
+    is bfloat16 (the precision the forward pass sees under autocast) and by one fp32 step when it is float32."""
+    low = x.to(dtype)
+    target = torch.nextafter(low, torch.where(up, torch.full_like(low, math.inf), torch.full_like(low, -math.inf)))
+    return x + (target.to(x.dtype) - low.to(x.dtype))
+
+
+@torch.no_grad()
+def nudge_ulp(model: torch.nn.Module, weights_dtype: str, seed: int) -> None:
+    """Move every parameter by one ulp of the dtype the weights are held in, up or down at random (seeded per
+    tensor)."""
+    dtype = torch.bfloat16 if weights_dtype == "bfloat16" else torch.float32
+    for i, (_, p) in enumerate(sorted(model.named_parameters())):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        up = (torch.rand(p.shape, generator=g) < 0.5).to(p.device)
+        p.copy_(ulp_step(p, up, dtype))

@@ -47,11 +47,14 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     return (logp, logits) if with_entropy else (logp, None)
 
 
-def train(spec, out_dir, rollout_source=None, progress: bool = True):
+def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False):
     """Train per `spec`, writing the metric log and manifest to `out_dir`. Returns the run folder.
 
     `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
     parity): `rollout_source(round_idx, prompt_ids, policy) -> (completion_ids, sampler_logps or None)`.
+    `noise_twin`: the same run changed only in its rounding (`core.nudge_ulp` on the initial weights,
+    micro-batches summed in reverse order): its distance to the plain run is the floating-point noise the
+    calibrated tolerance measures (harness/diagnose/noise.py).
     """
     from harness.experiment.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
     from harness.runlog.params import ParamSketch
@@ -73,7 +76,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     # ---- model, tokenizer, data -------------------------------------------------------------------
     ckpt = checkpoint_dir(spec)
     tokenizer = load_tokenizer(ckpt)
-    model = load_model(ckpt, "float32", device)  # fp32 master weights; DTYPE=bfloat16 computes under autocast
+    model = load_model(ckpt, spec.MASTER_WEIGHTS, device)  # fp32 masters (bf16 DTYPE: autocast), or bf16 weights
+    if noise_twin:
+        core.nudge_ulp(model, spec.MASTER_WEIGHTS, spec.SEED)
     if spec.GRADIENT_CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -110,7 +115,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
     extra = {"checkpoint": str(ckpt), "sampler": describe_sampler(spec),
              "generation": (decoder.describe() if decoder else sampler.describe() if sampler
                             else "given (lockstep rollouts)" if rollout_source else "transformers generate"),
-             "rollouts": "external (lockstep)" if rollout_source else "own"}
+             "rollouts": "external (lockstep)" if rollout_source else "own",
+             "noise_twin": noise_twin}
     writer = RunWriter(out_dir, "scratch", spec, device, extra)
     sketch = ParamSketch(model, writer.dir, seed=spec.SEED)  # the weights after each step, for lockstep parity
     bar = Progress(spec.STEPS, "scratch", progress)
@@ -213,6 +219,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True):
                 if step >= spec.STEPS:
                     break
                 micro_batches = shuffled[k * GA:(k + 1) * GA]
+                if noise_twin:  # the same sum, added up in another order
+                    micro_batches = micro_batches.flip(0)
                 lr_now = optimizer.param_groups[0]["lr"]
                 step_loss, mb_stats = 0.0, []
                 for mb in micro_batches:

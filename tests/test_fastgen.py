@@ -71,6 +71,28 @@ def test_decoder_stops_rows_at_eos():
     assert dec.last_stats["decode_steps"] == 8  # all rows done: stopped at the first check, not at 16
 
 
+def test_decoder_runs_its_own_copy_when_the_trainer_patched_forward():
+    """TRL's bf16=True (accelerate's mixed precision) replaces the trainer model's `forward` by a closure over that
+    model; a deepcopy keeps the closure. The lesson's batch=naive cell crashed on an H200 because the decoder's copy
+    ran the trainer's model (training mode, gradient checkpointing: no KV cache). The copy must run itself."""
+    model, tok, eos, prompts = _model_and_prompts()
+    original = model.forward
+    calls = []
+
+    def patched(*args, **kwargs):  # as accelerate's convert_outputs_to_fp32(autocast(model.forward))
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = patched
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    torch.manual_seed(1)
+    completions, _ = dec.generate(prompts, max_tokens=6, temperature=1.0)
+    assert not calls  # the trainer's model never ran
+    assert len(completions) == len(prompts)
+
+
 def test_sync_weights_copies_the_policy():
     model, tok, eos, _ = _model_and_prompts()
     dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")

@@ -53,9 +53,12 @@ def test_trl_field_outside_the_toggles_is_named_and_confirmed(override, cause, s
 def test_a_difference_without_effect_is_reported_not_hidden(tmp_path):
     doc = M.run_matrix(small_spec("STEPS=3", "trl.epsilon_high=0.2"), tmp_path, "none", log=lambda *_: None)
     cell = doc["cells"][0]
-    assert cell["verdict"] == "parity" and not doc["ok"]  # the preflight said diverged; the runs agree
+    assert cell["verdict"] == "parity" and cell["expected"] == "diverged"  # the preflight said diverged; they agree
     assert cell["attribution_detail"][0]["status"] == "no measured effect"
     assert "ratio is exactly 1" in cell["attribution_detail"][0]["evidence"]
+    # the harness can tell why: "cannot show here" with that reason, not a failed cell (issue 18)
+    assert cell["ok"] and doc["ok"] and "ratio is exactly 1" in cell["cannot_show"]
+    assert "cannot show here" in M.format_verdict(doc)
 
 
 def test_a_failing_cell_does_not_sink_the_matrix(tmp_path, monkeypatch):

@@ -279,7 +279,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     ckpt = checkpoint_dir(spec)
     tokenizer = load_tokenizer(ckpt)
     torch.manual_seed(spec.SEED)
-    model = load_model(ckpt, "float32", device)
+    model = load_model(ckpt, spec.MASTER_WEIGHTS, device)  # as the scratch loop: fp32 masters, or bf16 weights
     config = translation.config(out_dir / "trl_output", disable_tqdm=True)
 
     sampler = None

@@ -52,7 +52,7 @@ def evidence(check: str, result: dict) -> str | None:
     return None
 
 
-def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log) -> list[dict]:
+def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None) -> list[dict]:
     """Name the causes of a divergence and confirm them by re-runs with differences aligned.
 
     One difference: a re-run with it aligned confirms it when the divergence disappears. Several: align all of
@@ -61,7 +61,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     keeping a drop whenever parity holds without it. What is left is a set whose alignment was seen to give
     parity (sufficient) and each of whose members is needed (necessary): each is `confirmed`, the rest have
     `no measured effect`. With two or more causes, each gets its share of the gap at the last step, from a
-    re-run with only that cause left different."""
+    re-run with only that cause left different. `store`: the matrix's shared scratch runs (pairs.ScratchStore)."""
     if "yours" in getattr(cell, "sides", ()):
         return _attribute_your_loop(cell, result, cell_dir, mode, log)
     _tr, diffs, _facts = preflight(cell.spec)
@@ -81,7 +81,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
                  "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"}]
     # a difference no spec change aligns (bnpo across processes, say) cannot be tested by a re-run
     fixed = [c for c in checks if any(alignment_for(diffs, c).get(k) for k in ("set", "drop_trl", "set_trl"))]
-    search = CauseSearch(cell.spec, diffs, fixed, cell_dir, mode, progress, log)
+    search = CauseSearch(cell.spec, diffs, fixed, cell_dir, mode, progress, log, store)
     causes = search.minimal_causes() if fixed else None
     if causes is None and len(fixed) < len(checks):  # the untestable ones may carry it: suspected, not unexplained
         return sorted([{"cause": c, "fields": fields[c], "evidence": evidence(c, result) or (
@@ -130,8 +130,8 @@ def reset_cache() -> None:
 class CauseSearch:
     """Re-runs of one cell with a subset of its differences aligned, cached by the resolved spec."""
 
-    def __init__(self, spec, diffs, checks, cell_dir: Path, mode: str, progress: bool, log):
-        self.spec, self.diffs, self.checks = spec, diffs, checks
+    def __init__(self, spec, diffs, checks, cell_dir: Path, mode: str, progress: bool, log, store=None):
+        self.spec, self.diffs, self.checks, self.store = spec, diffs, checks, store
         self.cell_dir, self.mode, self.progress, self.log = cell_dir, mode, progress, log
         self.reruns = 0  # new runs made for this cell
         self.reused = 0  # runs another cell of the matrix had made already
@@ -160,7 +160,7 @@ class CauseSearch:
             self.log(f"    re-run {self.reruns} (at most {2 * len(self.checks) + 1}): {', '.join(sorted(aligned))} "
                      "aligned")
             try:
-                out = pairs.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress)
+                out = pairs.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress, store=self.store)
             except Exception as e:  # a failing re-run must not sink the cell
                 self.errors.append(f"{type(e).__name__}: {e}")
                 out = None

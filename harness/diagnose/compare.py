@@ -46,6 +46,8 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import is_numeric_dtype
 
+from harness.diagnose import noise
+
 DEFAULT_TOLERANCES = Path(__file__).with_name("tolerances.toml")
 # when several metrics leave tolerance at the same step, report them in the lesson's order
 PRIORITY = ("prompts_in_step", "sequences_in_step", "prompt_ids_hash", "epoch", "tokens_in_step", "num_tokens",
@@ -88,9 +90,16 @@ def load_any_run(path: str | Path, mapping: dict | None = None) -> pd.DataFrame:
         harness = log.name == METRICS_FILE and manifest_path.exists()  # RunWriter's log: a null is a NaN or inf
         try:
             rows, problems = read_metrics(log) if harness else _read_jsonl(log)
-            manifest = json.loads(manifest_path.read_text()) if harness else {}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CompareInputError(f"{log}: cannot be read ({e})") from None
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if harness else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CompareInputError(f"{manifest_path}: cannot be read ({e}); remove it to compare the metric log "
+                                    "alone") from None
+        if not isinstance(manifest, dict):
+            raise CompareInputError(f"{manifest_path}: not a JSON object (a harness manifest is one); remove it to "
+                                    "compare the metric log alone")
         return _frame(rows, log, mapping, harness=harness, manifest=manifest, problems=problems)
     if path.is_file() and path.suffix.lower() == ".csv":
         rows, problems = _read_csv(path)
@@ -139,14 +148,15 @@ def _read_csv(path: Path) -> tuple[list[dict], list[str]]:
 
 
 def _as_step(value):
-    """A step value as int (or float when fractional); None when it is not a finite number."""
+    """A step value as int (or float when fractional); None when it is not a finite number, or one too large to
+    count steps (beyond 2**53 a float no longer holds every whole number, nor an int64 index this one)."""
     if isinstance(value, bool):
         return None
     try:
         v = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    if not math.isfinite(v):
+    if not math.isfinite(v) or abs(v) >= 2**53:
         return None
     return int(v) if v.is_integer() else v
 
@@ -602,16 +612,18 @@ def tolerance_for(tol: dict, mode: str, dtype: str, metric: str) -> dict:
 
 def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", dtype: str = "float32",
                    tolerances: dict | None = None, param_rel_l2: list[float] | None = None,
-                   one_sided: str = "divergence") -> dict:
+                   one_sided: str = "divergence", envelope: noise.Envelope | None = None) -> dict:
     """Per-metric differences of two runs and the first step where any leaves tolerance.
 
     A NaN or inf on either side (both included) is a divergence at that step; a value neither log has at a step
     is not compared there. `one_sided`: what a metric, or a step's value, that only one side logs is:
     "divergence" (the built-in sides: it means different settings) or "not_compared" (other people's logs:
-    listed in `not_compared`, never a divergence)."""
+    listed in `not_compared`, never a divergence). `envelope`: the noise twin's (harness/diagnose/noise.py); with
+    it a step is outside only beyond both the static bound and K times the envelope (the calibrated tolerance)."""
     if one_sided not in ("divergence", "not_compared"):
         raise ValueError(f"one_sided: {one_sided!r}")
     tol = tolerances or load_tolerances()
+    k_noise = float(tol.get("calibrated", {}).get("k", 10.0))
     procs = [int((df.attrs.get("manifest") or {}).get("processes", 1)) for df in (a, b)]
     problems = [*a.attrs.get("problems", []), *b.attrs.get("problems", [])]
     gone = (a.attrs.get("absent") or {}, b.attrs.get("absent") or {})
@@ -668,14 +680,19 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
         if both.any():
             d = (x - y).abs()[both]
             rel = (d / y.abs()[both]).replace([np.inf], np.nan).where(d > 0, 0.0)
-            outside = d > t.get("atol", 0.0) + t.get("rtol", 0.0) * y.abs()[both]
-            bad_steps = sorted(set(bad_steps) | {int(s) for s in d.index[outside.to_numpy()]})
+            floor = (t.get("atol", 0.0) + t.get("rtol", 0.0) * y.abs()[both]).to_numpy()
+            env = envelope.at(col, d.index, y[both].to_numpy()) if envelope is not None else None
+            limit = noise.bound(floor, env, k_noise)
+            outside = d.to_numpy() > limit
+            bad_steps = sorted(set(bad_steps) | {int(s) for s in d.index[outside]})
             metrics[col] = {
                 "max_abs": float(d.max()), "step_max_abs": int(d.idxmax()),
                 "max_rel": float(rel.max()) if rel.notna().any() else 0.0,
                 "step_max_rel": int(rel.idxmax()) if rel.notna().any() and rel.max() > 0 else None,
                 "mean_delta": float((x - y)[both].mean()),
             }
+            if env is not None:
+                metrics[col].update(_noise_figures(d.to_numpy(), env, k_noise, limit))
         else:
             metrics[col] = {"max_abs": math.nan, "step_max_abs": None, "max_rel": math.nan, "step_max_rel": None,
                             "mean_delta": math.nan}
@@ -695,23 +712,51 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
                      "averaged per micro-step across processes on one side and per micro-batch on the other; "
                      "reported, not decisive")
     if param_rel_l2 is not None:
-        limit = tol.get(mode, {}).get(dtype, {}).get("param_rel_l2", {}).get("max", 1e-5)
         arr = np.asarray(param_rel_l2, dtype=float)
-        over = np.nonzero(arr > limit)[0]
+        limit = param_limit(tol, mode, dtype, calibrated=envelope is not None)
+        env = envelope.at("param_rel_l2", range(1, len(arr) + 1)) if envelope is not None else None
+        bound = noise.bound(limit, env, k_noise)
+        over = np.nonzero(arr > bound)[0]
         metrics["param_rel_l2"] = {"max_abs": float(arr.max()), "step_max_abs": int(arr.argmax()) + 1,
                                    "max_rel": float(arr.max()), "mean_delta": float(arr.mean()),
                                    "first_outside": int(over[0]) + 1 if len(over) else None,
                                    "tolerance": {"max": limit}}
+        if env is not None:
+            metrics["param_rel_l2"].update(_noise_figures(arr, env, k_noise, bound))
         if len(over):
             failures.append((int(over[0]) + 1, "param_rel_l2"))
     rank = {m: i for i, m in enumerate(PRIORITY)}
     failures.sort(key=lambda f: (f[0], rank.get(f[1], len(rank)), f[1]))
     first = {"step": failures[0][0], "metric": failures[0][1]} if failures else None
+    if envelope is not None:
+        notes.append(f"calibrated tolerance: a metric diverges beyond {k_noise:g}x the noise twin's difference "
+                     "(the same scratch run changed only in its rounding) and beyond the static bound")
     return {"mode": mode, "dtype": dtype, "steps": [len(a), len(b)], "first_divergence": first,
+            "tolerance_mode": "calibrated" if envelope is not None else "static", "k_noise": k_noise,
             "outside": sorted({m for _, m in failures}), "only_in_a": only_a, "only_in_b": only_b,
             "not_compared": sorted(not_compared), "not_compared_why": dict(sorted(not_compared.items())),
             "one_sided": one_sided,
             "metrics": metrics, "notes": notes + problems}
+
+
+def param_limit(tol: dict, mode: str, dtype: str, calibrated: bool = False) -> float:
+    """The static bound on the weights' relative L2 distance; calibrated runs use [calibrated]'s floor (the envelope
+    does the rest), static runs the dtype's own (loose in bf16, where nothing measures the run's noise)."""
+    if calibrated and "param_rel_l2_floor" in tol.get("calibrated", {}):
+        return float(tol["calibrated"]["param_rel_l2_floor"])
+    return float(tol.get(mode, {}).get(dtype, {}).get("param_rel_l2", {}).get("max", 1e-5))
+
+
+def _noise_figures(d: np.ndarray, env: np.ndarray, k: float, bound) -> dict:
+    """How the difference stands against the noise: its largest ratio to the envelope (where the envelope is not 0),
+    to the bound that decided (above 1: outside), and the envelope at the last step (the smallest difference this
+    run could have shown is k times it)."""
+    ok = env > 0
+    ratio = float(np.max(d[ok] / env[ok])) if ok.any() else None
+    bound = np.broadcast_to(np.asarray(bound, dtype=float), d.shape)
+    pos = bound > 0
+    return {"noise_last": float(env[-1]) if len(env) else 0.0, "ratio_to_noise": ratio, "k_noise": k,
+            "ratio_to_bound": float(np.max(d[pos] / bound[pos])) if pos.any() else None}
 
 
 def _bare(df: pd.DataFrame) -> pd.DataFrame:
@@ -725,15 +770,17 @@ def _val(v, absent: bool) -> str:
 
 
 def compare_runs(run_a, run_b, *, mode: str = "lockstep", dtype: str | None = None,
-                 tolerance_file: str | Path | None = None) -> dict:
-    """Two runs of the built-in sides (the matrix, attribution): a metric or value one side lacks is a divergence."""
+                 tolerance_file: str | Path | None = None, envelope: noise.Envelope | None = None) -> dict:
+    """Two runs of the built-in sides (the matrix, attribution): a metric or value one side lacks is a divergence.
+    `envelope`: the pair's noise twin (calibrated tolerance), else the static bounds alone."""
     from harness.runlog.params import relative_l2
 
     a, b = load_any_run(run_a), load_any_run(run_b)
     if dtype is None:
         dtype = (a.attrs.get("manifest", {}).get("spec") or {}).get("DTYPE", "float32")
     rel = relative_l2(run_a, run_b) if Path(run_a).is_dir() and Path(run_b).is_dir() else None
-    out = compare_frames(a, b, mode=mode, dtype=dtype, tolerances=load_tolerances(tolerance_file), param_rel_l2=rel)
+    out = compare_frames(a, b, mode=mode, dtype=dtype, tolerances=load_tolerances(tolerance_file), param_rel_l2=rel,
+                         envelope=envelope)
     out["runs"] = [str(run_a), str(run_b)]
     return out
 

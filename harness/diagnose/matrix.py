@@ -19,8 +19,9 @@ import traceback
 from pathlib import Path
 
 from harness.diagnose.attribution import attribute, reset_cache
-from harness.diagnose.pairs import run_pair
+from harness.diagnose.pairs import SHARED_DIR, ScratchStore, run_pair
 from harness.diagnose.preflight import apply_alignment, preflight
+from harness.diagnose.showable import lost_updates_warning, update_summary, why_no_effect
 from loop_runner.run import LoopError
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
 
@@ -131,25 +132,35 @@ def _summary_metrics(result: dict) -> dict:
     for name, m in result["metrics"].items():
         keep[name] = {"max_abs": m["max_abs"], "max_rel": m["max_rel"], "mean_delta": m["mean_delta"],
                       "first_outside": m["first_outside"]}
+        for k in ("ratio_to_noise", "ratio_to_bound", "noise_last"):  # the calibrated tolerance's figures
+            if m.get(k) is not None:
+                keep[name][k] = m[k]
     return keep
 
 
-def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool = False, log=print) -> dict:
-    """One cell: both loops, the comparison, the attribution. Never raises for a failing run: the verdict says."""
+def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool = False, log=print,
+             store: ScratchStore | None = None) -> dict:
+    """One cell: both loops, the comparison, the attribution. Never raises for a failing run: the verdict says.
+    `store`: scratch runs shared by the matrix's cells and re-runs (pairs.ScratchStore)."""
     t0 = time.perf_counter()
     v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
          "expected_cause": cell.expected_cause}
     try:
-        result = run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides)
+        result = run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
         v["sides"] = list(cell.sides)
         v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
         v["first_divergence"] = result["first_divergence"]
-        details = attribute(cell, result, cell_dir, mode, progress, log)
+        details = attribute(cell, result, cell_dir, mode, progress, log, store)
         v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
         v["attribution_detail"] = details
         v["metrics"] = _summary_metrics(result)
+        v["tolerance"] = {"mode": result.get("tolerance_mode", "static"), "k": result.get("k_noise")}
         v["only_in"] = {cell.sides[0]: result["only_in_a"], cell.sides[1]: result["only_in_b"]}
         v["notes"] = result["notes"]
+        v["updates"] = update_summary(cell_dir, cell.sides)
+        lost = lost_updates_warning(cell.spec, v["updates"])
+        if lost:
+            v["notes"].append(lost)
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
         v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
     except Exception as e:  # one failing cell never takes the others down
@@ -158,6 +169,10 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
     v["ok"] = v["verdict"] == cell.expected and (
         cell.expected_cause is None or (v["attribution"][:1] == [cell.expected_cause] and
                                         v["attribution_detail"][0]["status"] == "confirmed"))
+    if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here
+        why = why_no_effect(cell.expected_cause, result, cell_dir, cell.spec, v.get("attribution_detail"))
+        if why:
+            v.update(cannot_show=why, ok=True)
     v["wall_s"] = round(time.perf_counter() - t0, 1)
     return v
 
@@ -172,13 +187,16 @@ def _claim_gpu(gpus) -> None:
 
 def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
                log=print, only: list[str] | None = None, resume: bool = False, processes: int = 1,
-               jobs: int = 1) -> dict:
+               jobs: int = 1, started=None) -> dict:
     """Run every cell, writing verdict.json after each. `resume`: keep the cells an earlier run of the same
     spec, matrix and mode finished in `out_dir` (a cell cut short is run again from its start). `jobs` > 1:
-    independent cells in that many worker processes, one GPU each where there are GPUs."""
+    independent cells in that many worker processes, one GPU each where there are GPUs. `started`: called once
+    the run is on record (verdict.json, `complete: false`), before the first cell (the CLI refreshes the runs
+    index there)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reset_cache()
+    store = ScratchStore(out_dir / SHARED_DIR)  # cells whose scratch side is set up alike share one scratch run
     cells = build_cells(base, matrix, processes)
     if only:
         unknown = sorted(set(only) - {c.name for c in cells})
@@ -188,10 +206,21 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         cells = [c for c in cells if c.name in only]
     done = {}
     if resume and (out_dir / "verdict.json").exists():
-        old = json.loads((out_dir / "verdict.json").read_text())
-        if (old.get("base_spec"), old.get("matrix"), old.get("mode"), old.get("processes", 1)) == \
+        try:
+            old = json.loads((out_dir / "verdict.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        if not isinstance(old, dict):
+            log("resume: verdict.json in this folder is not readable; starting over")
+        elif (old.get("base_spec"), old.get("matrix"), old.get("mode"), old.get("processes", 1)) == \
                 (base.to_dict(), matrix, mode, processes):
-            done = {c["name"]: c for c in old["cells"] if c.get("verdict") in ("parity", "diverged")}
+            by_name = {c.name: c for c in cells}
+            for c in old.get("cells") if isinstance(old.get("cells"), list) else []:
+                if _finished(c, by_name):  # kept, in this folder (wherever the run was when it wrote the entry)
+                    done[c["name"]] = {**c, "dir": str(out_dir / _dirname(c["name"]))}
+                elif isinstance(c, dict) and c.get("verdict") in ("parity", "diverged"):
+                    log(f"resume: the entry of cell {str(c.get('name'))[:60]!r} in verdict.json is damaged; running "
+                        "it again")
         else:
             log("resume: the earlier run in this folder used another spec, matrix or mode; starting over")
     results = dict(done)
@@ -204,6 +233,15 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes, only,
                                                            total=len(cells)))
 
+    # On record from the start: a kill before the first cell ends leaves `complete: false` (resumable), never an
+    # earlier run's verdict beside cell folders this run is overwriting; that run's report and summary go with it.
+    for stale in ("report.html", "summary.txt"):
+        (out_dir / stale).unlink(missing_ok=True)
+    _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, [results[c.name] for c in cells
+                                                                            if c.name in results],
+                                                       t_start, processes, only, total=len(cells)))
+    if started is not None:
+        started()
     pending = []
     for i, cell in enumerate(cells, 1):
         if cell.name in done:
@@ -215,7 +253,7 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
             elapsed = time.perf_counter() - t_start
             eta = f", eta {elapsed / (n - 1) * (len(pending) - n + 1):.0f} s" if n > 1 else ""
             log(f"[cell {len(results) + 1}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
-            finished(run_cell(cell, out_dir / _dirname(cell.name), mode, progress, log))
+            finished(run_cell(cell, out_dir / _dirname(cell.name), mode, progress, log, store))
     elif pending:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -231,7 +269,7 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
             jobs = min(jobs, torch.cuda.device_count())
         log(f"running {len(pending)} cells on {jobs} workers" + (" (one GPU each)" if gpus is not None else ""))
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_claim_gpu, initargs=(gpus,)) as ex:
-            futures = {ex.submit(run_cell, cell, out_dir / _dirname(cell.name), mode, False, print): cell
+            futures = {ex.submit(run_cell, cell, out_dir / _dirname(cell.name), mode, False, print, store): cell
                        for cell in pending}
             for fut in as_completed(futures):
                 finished(fut.result())
@@ -241,11 +279,45 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
     return doc
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finished(c, cells: dict) -> bool:
+    """Whether an entry of an earlier verdict.json is a finished cell of this matrix, whole enough to keep: the
+    fields the verdict, the summary and the report read have their types (a damaged entry is run again)."""
+    if not (isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] in cells):
+        return False
+    fd, detail, metrics = c.get("first_divergence"), c.get("attribution_detail", []), c.get("metrics", {})
+    return (c.get("verdict") in ("parity", "diverged") and isinstance(c.get("ok"), bool)
+            and c.get("expected") == cells[c["name"]].expected and c.get("expected_cause") == cells[c["name"]].expected_cause
+            and (fd is None or (isinstance(fd, dict) and _number(fd.get("step")) and isinstance(fd.get("metric"), str)))
+            and isinstance(c.get("attribution", []), list) and all(isinstance(a, str) for a in c.get("attribution", []))
+            and isinstance(detail, list) and all(_detail_ok(d) for d in detail)
+            and isinstance(metrics, dict) and all(isinstance(m, dict) and all(v is None or _number(v) for v in m.values())
+                                                  for m in metrics.values())
+            and c.get("sides", list(cells[c["name"]].sides)) == list(cells[c["name"]].sides)
+            and isinstance(c.get("notes", []), list) and isinstance(c.get("cannot_show", ""), str)
+            and isinstance(c.get("updates", {}), dict) and all(
+                isinstance(u, dict) and _number(u.get("unchanged")) and _number(u.get("median_rel"))
+                for u in c.get("updates", {}).values())
+            and all(isinstance(c.get(k, {}), dict) for k in ("toggles", "only_in", "tolerance")))
+
+
+def _detail_ok(d) -> bool:
+    fix, share = d.get("fix") if isinstance(d, dict) else None, d.get("share") if isinstance(d, dict) else None
+    return (isinstance(d, dict) and isinstance(d.get("cause"), str) and isinstance(d.get("status"), str)
+            and (fix is None or (isinstance(fix, dict) and isinstance(fix.get("sentence", ""), (str, type(None)))))
+            and (share is None or (isinstance(share, dict) and all(_number(v) for v in share.values())))
+            and isinstance(d.get("fields", []), list) and isinstance(d.get("evidence", ""), (str, type(None)))
+            and all(_number(d.get(k, 0)) for k in ("reruns", "reused")))
+
+
 def _write_json(path: Path, doc: dict) -> None:
     """Atomically: a kill during the write leaves the previous verdict.json whole."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
-    tmp.replace(path)
+    from harness.runlog.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(doc, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(o):
@@ -264,11 +336,25 @@ def _verdict_doc(base, matrix, mode, verdicts, t_start, processes, only=None, to
             "cells_done": len(verdicts), "cells_total": total if total is not None else len(verdicts),
             "spec": base.NAME, "matrix": matrix, "mode": mode,
             "base_spec": base.to_dict(), "processes": processes, "cells_selected": list(only or []), "cells": verdicts,
-            "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions()}
+            "elapsed_s": round(time.perf_counter() - t_start, 1), "versions": library_versions(), "ran": _ran(base)}
+
+
+def _ran(base) -> dict | None:
+    """What the cells ran on (dtype, autocast, device, model and its weights hash): models.run_label."""
+    from harness.experiment.models import ModelSourceError, resolve_device, run_label
+    from harness.runlog.log import device_description
+
+    try:
+        return run_label(base, device_description(resolve_device(base)))
+    except ModelSourceError:  # DEVICE = "cuda" without a GPU: the cells say so themselves
+        return None
 
 
 def _dirname(name: str) -> str:
-    return name.replace("=", "-").replace(":", "_").replace(",", "+")
+    """A cell's folder: one path component under the run folder, whatever the name holds (no `/`, `..`)."""
+    safe = name.replace("=", "-").replace(":", "_").replace(",", "+")
+    safe = safe.replace("/", "_").replace("\\", "_").replace("\0", "_")
+    return safe if safe.strip(".") else f"_{safe}"
 
 
 def _cause(v: dict) -> str | None:
@@ -294,6 +380,8 @@ def share_words(entry: dict) -> str | None:
 
 def _cell_line(v: dict) -> str:
     mark = "ok " if v["ok"] else "BAD"
+    if v.get("cannot_show"):
+        return f"n/a cannot show here: {v['cannot_show']}"
     if v["verdict"] in ("failed", "error"):
         return f"{mark} {v['verdict']}: {v['error']}"
     fd = v.get("first_divergence")
@@ -307,11 +395,14 @@ def format_verdict(doc: dict) -> str:
     state = "OK" if doc["ok"] else "NOT OK" if doc.get("complete", True) else "INCOMPLETE"
     lines = [f"parity {state}: {sum(v['ok'] for v in doc['cells'])}/{len(doc['cells'])} "
              f"cells as expected ({doc['mode']}, matrix {doc['matrix']}{selected}, {doc['elapsed_s']:.0f} s)", ""]
+    if (doc.get("ran") or {}).get("text"):
+        lines.insert(1, f"ran: {doc['ran']['text']}")
     lines.append(f"{'cell':30s} {'expected':9s} {'got':9s} {'first divergence':28s} cause")
     for v in doc["cells"]:
         fd = v.get("first_divergence")
         fd_s = f"step {fd['step']} {fd['metric']}" if fd else "-"
-        cause = v["error"][:60] if v["verdict"] in ("failed", "error") else (_cause(v) or "-")
+        cause = v["error"][:60] if v["verdict"] in ("failed", "error") else \
+            "cannot show here (see below)" if v.get("cannot_show") else (_cause(v) or "-")
         lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
                      + ("" if v["ok"] else "   <- not as expected"))
     head = headline(doc)
@@ -381,11 +472,17 @@ def headline(doc: dict) -> dict:
     if not surprises and not any(c.get("expected") == "diverged" for c in cells):
         return {"sentence": f"Every cell is at parity, as expected ({len(cells)} cells, {doc.get('mode')} mode).",
                 "items": []}
+    mute = [c for c in cells if c.get("cannot_show")]
     if not surprises:
         n_par = sum(c.get("expected") == "parity" for c in cells)
         sentence = (f"The two loops agree when set up alike ({n_par} cells at parity); each toggled check made them "
                     "part, and a re-run with only it aligned confirmed the cause. What each toggle means, and the "
                     "setting that matches TRL to the scratch loop:")
+        if mute:
+            sentence = (f"The two loops agree when set up alike ({n_par} cells at parity); {len(mute)} toggle(s) cannot "
+                        "show at this configuration (why, below); each other toggled check made them part, and a "
+                        "re-run with only it aligned confirmed the cause:")
+            items += [f"{c['name']}: cannot show here: {c['cannot_show']}." for c in mute]
         for c in cells:
             if c.get("first_divergence"):
                 why = _fix_sentence(c)

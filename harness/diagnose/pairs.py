@@ -5,17 +5,113 @@ The sides are `scratch` (the built-in loop), `trl` (TRL's GRPOTrainer) and `your
 rollouts (`RecordingSource`); TRL replays them (`ReplaySource`) and a user's loop reads them as
 `rollouts.jsonl` (PARITY_ROLLOUTS); then `compare_runs`. Free: each side samples for itself, FREE_SEEDS seeds
 each; then `compare_free`. The matrix and the attribution call `run_pair` for every cell and every re-run.
+
+With TOLERANCE = "calibrated" (lockstep) the scratch side also runs as its noise twin on the same recording
+(harness/diagnose/noise.py). With a `store` (a matrix's folder), the scratch run, its recording and its noise
+envelope are kept by a content hash of what the scratch side reads (`scratch_key`): cells and re-runs whose
+scratch side is set up alike share one scratch run, also across `--resume`.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 
-from harness.diagnose.compare import compare_runs
+from harness.diagnose import noise
+from harness.diagnose.compare import compare_runs, load_any_run, load_tolerances
 from harness.diagnose.freerun import compare_free
 from harness.diagnose.preflight import apply_alignment
 
 SIDES = ("scratch", "trl", "yours")
+SHARED_DIR = "shared-scratch"  # a matrix folder's store of scratch runs
+# spec fields the scratch side never reads (the TRL side's, the user's loop's, the comparison's): a change to
+# them leaves the scratch run as it was (tests/test_shared_runs.py checks the scratch code reads none of them)
+SCRATCH_BLIND = ("NAME", "trl", "BATCH_MAPPING", "PROCESSES", "loop", "TOLERANCE", "FREE_SEEDS")
+# the code a scratch run's result depends on
+SCRATCH_CODE = ("scratch_grpo", "harness/experiment", "harness/rollouts", "harness/runlog", "harness/diagnose/noise.py")
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of the scratch side's source files and the library versions: a stored run is reused only by the same
+    code."""
+    from harness.runlog.log import library_versions
+
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256(json.dumps(library_versions(), sort_keys=True, default=str).encode())
+    for name in SCRATCH_CODE:
+        for f in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def scratch_key(spec) -> str:
+    """Content hash of everything the scratch side's run depends on: its spec fields, the code, the reward
+    functions' sources and the data/checkpoint files' sizes and times."""
+    from harness.experiment.rewards import reward_provenance
+
+    d = {k: v for k, v in spec.to_dict().items() if k not in SCRATCH_BLIND}
+    files = []
+    for path in (spec.data.path, spec.model.path):
+        if path and Path(path).exists():
+            st = Path(path).stat()
+            files.append([str(path), st.st_size, st.st_mtime_ns])
+    blob = json.dumps([d, code_version(), reward_provenance(spec), files], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+class ScratchStore:
+    """Scratch runs kept by `scratch_key` under `root`: each entry holds `scratch/`, the recording and, once a
+    calibrated pair made it, the noise envelope. Entries appear whole (built aside, then renamed)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def entry(self, spec) -> Path:
+        return self.root / scratch_key(spec)
+
+    def fetch(self, spec, out_dir: Path) -> bool:
+        """Copy a stored scratch run into out_dir (scratch/, rollouts, envelope); False when there is none."""
+        from harness.rollouts.lockstep import ROLLOUTS_FILE
+
+        src = self.entry(spec)
+        if not (src / "scratch").is_dir():
+            return False
+        if (out_dir / "scratch").exists():
+            shutil.rmtree(out_dir / "scratch")
+        shutil.copytree(src / "scratch", out_dir / "scratch")
+        for name in (ROLLOUTS_FILE, noise.NOISE_FILE):
+            if (src / name).exists():
+                shutil.copy2(src / name, out_dir / name)
+        return True
+
+    def keep(self, spec, out_dir: Path) -> None:
+        """Store out_dir's scratch run (and its recording and envelope), replacing an entry without an envelope."""
+        from harness.rollouts.lockstep import ROLLOUTS_FILE
+
+        dst = self.entry(spec)
+        if (dst / noise.NOISE_FILE).exists() or ((dst / "scratch").is_dir() and not (out_dir / noise.NOISE_FILE).exists()):
+            return
+        tmp = self.root / f".{dst.name}.{os.getpid()}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        shutil.copytree(out_dir / "scratch", tmp / "scratch")
+        for name in (ROLLOUTS_FILE, noise.NOISE_FILE):
+            if (out_dir / name).exists():
+                shutil.copy2(out_dir / name, tmp / name)
+        old = dst.with_name(f".{dst.name}.{os.getpid()}.old")
+        if dst.exists():
+            dst.rename(old)
+        try:
+            tmp.rename(dst)
+        except OSError:  # another worker stored it first: theirs serves as well
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _train(side: str, spec, run_dir: Path, progress: bool, rollouts=None, replay=None) -> None:
@@ -39,8 +135,9 @@ def _train(side: str, spec, run_dir: Path, progress: bool, rollouts=None, replay
 
 
 def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-             sides: tuple[str, str] = ("scratch", "trl")) -> dict:
-    """Both sides on `spec` into out_dir/<side>; returns the comparison of sides[0] with sides[1]."""
+             sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None) -> dict:
+    """Both sides on `spec` into out_dir/<side>; returns the comparison of sides[0] with sides[1]. `store`: where
+    scratch runs are shared (a matrix's); a run stored there with the same `scratch_key` is copied, not re-made."""
     from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer, resolve_device
     from harness.rollouts.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource, write_loop_rollouts
     from scratch_grpo.train import train as train_scratch
@@ -52,35 +149,65 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     tok = load_tokenizer(ckpt)
     device = resolve_device(spec)
     eos = eos_token_ids(generation_config(ckpt), tok)  # no weights loaded just for this
-    # the recorder: the scratch loop samples each round from its own weights (also when it is not compared)
-    source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
-    train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
-    source.release()
+    notes = []
+    # an earlier run in this folder (--force) must not lend this one its noise twin
+    (out_dir / noise.NOISE_FILE).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "twin", ignore_errors=True)
+    if store is not None and store.fetch(spec, out_dir):
+        records = ReplaySource.from_file(out_dir / ROLLOUTS_FILE).records
+        notes.append(f"scratch run shared with another cell or re-run of this matrix ({store.entry(spec).name})")
+    else:
+        # the recorder: the scratch loop samples each round from its own weights (also when it is not compared)
+        source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
+        train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
+        source.release()
+        records = source.records
+    envelope = None
+    if spec.TOLERANCE == "calibrated":
+        envelope = noise.load(out_dir)
+        if envelope is None:  # the noise twin: the same scratch run on the same rollouts, changed only in rounding
+            train_scratch(spec, out_dir / "twin", rollout_source=ReplaySource(records), progress=progress,
+                          noise_twin=True)
+            envelope = twin_envelope(out_dir / "scratch", out_dir / "twin")
+            noise.save(envelope, out_dir, float(load_tolerances().get("calibrated", {}).get("k", 10.0)),
+                       str(out_dir / "twin"))
+    if store is not None:
+        store.keep(spec, out_dir)
     broken = []
     for side in sides:
         if side == "trl":
-            replay = ReplaySource(source.records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
+            replay = ReplaySource(records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
             _train("trl", spec, out_dir / "trl", progress, rollouts=out_dir / ROLLOUTS_FILE, replay=replay)
             broken = replay.broken_rounds
         elif side == "yours":
-            loop_rollouts = write_loop_rollouts(spec, source.records, out_dir / "loop_rollouts.jsonl")
+            loop_rollouts = write_loop_rollouts(spec, records, out_dir / "loop_rollouts.jsonl")
             _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
-    result = compare_sides(spec, out_dir / sides[0], out_dir / sides[1], "lockstep")
+    result = compare_sides(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope)
+    result["notes"] += notes
     if broken:
         result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
                                "for prompts the scratch loop did not use, so it sampled them from its own weights")
     return result
 
 
-def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str) -> dict:
+def twin_envelope(plain_dir: Path, twin_dir: Path):
+    """The noise envelope of a plain scratch run and its noise twin (both run folders)."""
+    from harness.runlog.params import relative_l2
+
+    return noise.envelope(load_any_run(plain_dir), load_any_run(twin_dir), relative_l2(twin_dir, plain_dir))
+
+
+def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> dict:
     """compare_runs, and for a user's loop: only the metrics both sides log are compared (the rest are listed as
-    not compared), and the final weights it saved are held against the other side's at that step."""
+    not compared), and the final weights it saved are held against the other side's at that step. `envelope`:
+    the noise twin's, for the calibrated tolerance (lockstep)."""
     if "yours" not in (a_dir.name, b_dir.name):
-        return compare_runs(a_dir, b_dir, mode=mode, dtype=spec.DTYPE)
-    from harness.diagnose.compare import compare_frames, load_any_run, load_tolerances
+        return compare_runs(a_dir, b_dir, mode=mode, dtype=spec.DTYPE, envelope=envelope)
+    from harness.diagnose.compare import compare_frames
 
     a, b = load_any_run(a_dir), load_any_run(b_dir)
-    result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), one_sided="not_compared")
+    result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), one_sided="not_compared",
+                            envelope=envelope)
     result["runs"] = [str(a_dir), str(b_dir)]
     not_compared = sorted(set(a.columns) ^ set(b.columns))
     if not_compared:
@@ -92,7 +219,13 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str) -> dict:
     found = final_weights_distance(yours, other, spec.SEED)
     if found is not None:
         step, dist = found
-        limit = load_tolerances().get(mode, {}).get(spec.DTYPE, {}).get("param_rel_l2", {}).get("max", 1e-5)
+        from harness.diagnose.compare import param_limit
+
+        tol = load_tolerances()
+        limit = param_limit(tol, mode, spec.DTYPE, calibrated=envelope is not None)
+        env_at = envelope.at("param_rel_l2", [step]) if envelope is not None else None
+        if env_at is not None:
+            limit = float(noise.bound(limit, env_at[0], tol["calibrated"]["k"]))
         result["metrics"]["param_rel_l2"] = {"max_abs": dist, "step_max_abs": step, "max_rel": dist, "mean_delta": dist,
                                              "first_outside": step if dist > limit else None,
                                              "tolerance": {"max": limit}}

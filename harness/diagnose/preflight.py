@@ -465,11 +465,11 @@ def _dtype_facts(spec, cfg, overrides: dict, stored) -> list[CheckpointFact]:
     out = []
     if stored and stored != "float32" and spec.model.source != "embedded":
         out.append(CheckpointFact(
-            "dtype", f"stored dtype {stored}", "float32", "float32",
-            f"config.json stores {stored} weights. Both sides load them as float32 master weights (load_model(..., "
-            "\"float32\", ...) in scratch_grpo/train.py and trl_runner/runner.py): the same upcast on both, exact; "
-            f"DTYPE = \"{spec.DTYPE}\"" + (" computes under bf16 autocast on both." if spec.DTYPE == "bfloat16" else
-                                            " computes in float32.")
+            "dtype", f"stored dtype {stored}", spec.MASTER_WEIGHTS, spec.MASTER_WEIGHTS,
+            f"config.json stores {stored} weights. Both sides load them as {spec.MASTER_WEIGHTS} master weights "
+            "(MASTER_WEIGHTS; load_model in scratch_grpo/train.py and trl_runner/runner.py): the same cast on both, "
+            f"exact; DTYPE = \"{spec.DTYPE}\"" + (" computes under bf16 autocast on both." if spec.DTYPE == "bfloat16"
+                                                  else " computes in float32.")
             + " A TRL script of your own that passes the model by name loads float32 too (TRL's default dtype, "
             f"trl/trainer/utils.py: create_model_from_path) unless its model_init_kwargs say dtype=\"auto\" (then "
             f"{stored}).", "note", ("dtype",)))

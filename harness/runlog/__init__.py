@@ -2,7 +2,9 @@
 
 - `log`: `metrics.jsonl` (one line per optimizer step), `manifest.json`, `completions.jsonl`, the reader;
 - `params`: the parameter sketch both sides record after each step (weight distance between the sides);
-- `stops`: graceful SIGINT/SIGTERM at step boundaries.
+- `stops`: graceful SIGINT/SIGTERM at step boundaries;
+- `atomic`: whole-file writes a reader never sees half of (every JSON document, summary and report the harness
+  writes goes through it).
 
 Imports only `harness.experiment`.
 """

@@ -16,8 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.runlog.atomic import atomic_write_text
+
 SKETCH_FILE = "param_sketch.f32"
 SKETCH_META = "param_sketch.json"
+SKETCH_INIT = "param_sketch_init.f32"  # the same coordinates before the first step (for update statistics)
 EXACT_LIMIT = 2_000_000
 SAMPLE_SIZE = 65_536
 
@@ -39,17 +42,21 @@ class ParamSketch:
         self.width = sum(p.numel() if idx is None else len(idx) for (_, p), (_, idx) in zip(named, self.plan))
         self.path = Path(out_dir) / SKETCH_FILE
         self.path.write_bytes(b"")
-        (Path(out_dir) / SKETCH_META).write_text(json.dumps(
+        atomic_write_text(Path(out_dir) / SKETCH_META, json.dumps(
             {"width": self.width, "exact": self.exact, "parameters": total, "seed": seed}) + "\n")
+        (Path(out_dir) / SKETCH_INIT).write_bytes(self._row(model).tobytes())
 
     @torch.no_grad()
-    def record(self, model) -> None:
+    def _row(self, model) -> np.ndarray:
         params = dict(model.named_parameters())
         parts = []
         for name, idx in self.plan:
             flat = params[name].detach().reshape(-1)
             parts.append((flat if idx is None else flat[idx.to(flat.device)]).float().cpu())
-        row = torch.cat(parts).numpy().astype(np.float32)
+        return torch.cat(parts).numpy().astype(np.float32)
+
+    def record(self, model) -> None:
+        row = self._row(model)
         with open(self.path, "ab") as fh:
             fh.write(row.tobytes())
 
@@ -60,8 +67,13 @@ def read_sketch(run_dir: str | Path) -> tuple[np.ndarray, dict] | None:
     meta_path = run_dir / SKETCH_META
     if not meta_path.exists():
         return None
-    meta = json.loads(meta_path.read_text())
-    raw = np.fromfile(run_dir / SKETCH_FILE, dtype=np.float32)
+    try:  # a damaged sketch (a folder edited by hand, a disk that lost it) reads as none, like a missing one
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        raw = np.fromfile(run_dir / SKETCH_FILE, dtype=np.float32)
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(meta, dict) and type(meta.get("width")) is int and meta["width"] > 0):
+        return None
     rows = len(raw) // meta["width"]
     return raw[: rows * meta["width"]].reshape(rows, meta["width"]), meta
 
@@ -74,3 +86,28 @@ def relative_l2(a_dir: str | Path, b_dir: str | Path) -> list[float] | None:
     n = min(len(a[0]), len(b[0]))
     x, y = a[0][:n].astype(np.float64), b[0][:n].astype(np.float64)
     return list(np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(y, axis=1), 1e-30))
+
+
+def update_stats(run_dir: str | Path) -> list[dict] | None:
+    """Per optimizer step, over the recorded coordinates: the fraction whose value did not change (with bf16
+    weights, updates smaller than half a bf16 step round to nothing) and the median |update| / |weight|.
+    None when the run recorded no initial row (older runs) or no steps."""
+    found = read_sketch(run_dir)
+    init_path = Path(run_dir) / SKETCH_INIT
+    if found is None or not init_path.exists() or not len(found[0]):
+        return None
+    init = np.fromfile(init_path, dtype=np.float32)
+    if len(init) != found[1]["width"]:
+        return None
+    rows = np.vstack([init[None], found[0]])
+    return [step_update_stats(rows[t - 1], rows[t]) for t in range(1, len(rows))]
+
+
+def step_update_stats(before: np.ndarray, after: np.ndarray) -> dict:
+    """{"unchanged": fraction of coordinates with after == before, "median_rel": median |after - before| / |before|
+    over the non-zero weights}; NaN coordinates are left out."""
+    ok = np.isfinite(before) & np.isfinite(after)
+    b, a = before[ok].astype(np.float64), after[ok].astype(np.float64)
+    nz = b != 0
+    return {"unchanged": float(np.mean(a == b)) if len(b) else float("nan"),
+            "median_rel": float(np.median(np.abs(a[nz] - b[nz]) / np.abs(b[nz]))) if nz.any() else float("nan")}

@@ -1,0 +1,111 @@
+"""Why a toggle had no measured effect: when the harness can tell, a cell is "cannot show here", not a failure.
+
+A cell that toggles a check on the TRL side is expected to diverge. When it does not, the toggle may be unable
+to act at this configuration at all, and the harness can often tell from the run itself:
+- every completion of every round has the same length: per-sequence and per-token means coincide, so TRL's
+  loss types grpo, bnpo and dapo compute one loss (loss_type cells);
+- the IS ratio TRL logged is exactly 1 at every step: sampler and trainer log-probs agree, so the correction
+  multiplies by 1 (importance-sampling cells);
+- the weights are bf16 and most updates rounded to nothing (an update below half a bf16 step of its weight is
+  lost): the toggle changed updates that never reached the weights;
+- the effect is below this run's floating-point noise: the calibrated envelope says how small a weight
+  difference the run could have shown at all (k x the noise twin's distance at the last step).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+LOST_UPDATES_WARN = 0.5  # above this fraction of unchanged coordinates per step, bf16 weights barely train
+IS_RATIO_METRICS = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+
+
+def completion_lengths(rollouts_file: Path) -> list[list[int]]:
+    """Per recorded round, the length of each completion (tokens)."""
+    rounds = []
+    if not Path(rollouts_file).exists():
+        return rounds
+    for line in Path(rollouts_file).read_text().splitlines():
+        if line.strip():
+            rounds.append([len(c) for c in json.loads(line)["completion_ids"]])
+    return rounds
+
+
+def equal_lengths(rounds: list[list[int]]) -> int | None:
+    """The one length every completion of every round has, else None."""
+    found = {n for r in rounds for n in r}
+    return found.pop() if len(found) == 1 else None
+
+
+def is_ratio_exactly_one(trl_metrics) -> bool:
+    """True when TRL logged IS ratios and their min and max are 1 at every step."""
+    cols = [c for c in IS_RATIO_METRICS if c in trl_metrics.columns]
+    if not cols:
+        return False
+    values = trl_metrics[cols].to_numpy(dtype=float)
+    return bool(len(values)) and bool((values == 1.0).all())
+
+
+def update_summary(cell_dir: Path, sides=("scratch", "trl")) -> dict:
+    """Per side: the median over steps of the fraction of weights a step left unchanged, and of the median
+    |update| / |weight| (from the parameter sketches; harness/runlog/params.update_stats)."""
+    from harness.runlog.params import update_stats
+
+    out = {}
+    for side in sides:
+        stats = update_stats(Path(cell_dir) / side)
+        if stats:
+            out[side] = {"unchanged": float(np.median([s["unchanged"] for s in stats])),
+                         "median_rel": float(np.nanmedian([s["median_rel"] for s in stats])),
+                         "per_step_unchanged": [round(s["unchanged"], 4) for s in stats]}
+    return out
+
+
+def lost_updates_warning(spec, summary: dict) -> str | None:
+    """A warning when the weights are bf16 and a side's steps left most weights unchanged."""
+    if getattr(spec, "MASTER_WEIGHTS", "float32") != "bfloat16":
+        return None
+    worst = {side: s for side, s in summary.items() if s["unchanged"] > LOST_UPDATES_WARN}
+    if not worst:
+        return None
+    side, s = max(worst.items(), key=lambda kv: kv[1]["unchanged"])
+    return (f"bf16 weights: a typical step left {100 * s['unchanged']:.0f}% of the weights unchanged on the {side} side "
+            f"(median |update| / |weight| {s['median_rel']:.2g}; bf16 keeps 8 significant bits, so an update below "
+            "~2^-9 of its weight rounds to nothing): raise the learning rate, or keep float32 master weights "
+            "(MASTER_WEIGHTS = \"float32\", TRL's bf16=True on a float32-loaded model)")
+
+
+def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None) -> str | None:
+    """The reason a toggle of `cause` could not show at this configuration, or None when the harness cannot tell.
+    `details`: the attribution's; its own evidence for a difference with no measured effect comes first."""
+    said = [d.get("evidence") for d in details or [] if d.get("status") == "no measured effect" and d.get("evidence")]
+    if said:
+        return said[0]
+    from harness.diagnose.compare import load_any_run
+    from harness.rollouts.lockstep import ROLLOUTS_FILE
+
+    cell_dir = Path(cell_dir)
+    if cause == "loss_type":
+        length = equal_lengths(completion_lengths(cell_dir / ROLLOUTS_FILE))
+        if length is not None:
+            return (f"every completion is {length} tokens long, so per-sequence and per-token means coincide and the "
+                    "loss types compute one loss; give MAX_TOKENS room for completions to end at different lengths "
+                    "(an eos) to see this toggle")
+    if cause == "importance_sampling" and (cell_dir / "trl").is_dir():
+        if is_ratio_exactly_one(load_any_run(cell_dir / "trl")):
+            return ("the IS ratio is exactly 1 at every step (sampler and trainer log-probs agree), so the correction "
+                    "multiplies by 1; it shows only with a sampler whose log-probs differ (vLLM, or sampler.kind = "
+                    "\"emulated\")")
+    lost = lost_updates_warning(spec, update_summary(cell_dir)) if spec is not None else None
+    if lost:
+        return f"most updates never reached the weights ({lost})"
+    weights = result.get("metrics", {}).get("param_rel_l2", {})
+    if result.get("tolerance_mode") == "calibrated" and weights.get("noise_last") is not None:
+        smallest = weights["noise_last"] * result.get("k_noise", 10.0)
+        return (f"its effect, if any, is below this run's floating-point noise: the smallest weight difference the run "
+                f"could have shown is {smallest:.2g} (relative L2; {result.get('k_noise', 10.0):g}x the noise twin's); "
+                "more steps or a larger learning rate would show a larger effect")
+    return None

@@ -1,0 +1,65 @@
+"""No scratch run done twice: cells whose scratch side is set up alike share one scratch run (and its recording
+and noise twin) through `pairs.ScratchStore`, keyed by what the scratch side reads."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from harness.diagnose.matrix import build_cells, run_matrix
+from harness.diagnose.pairs import SCRATCH_BLIND, SCRATCH_CODE, SHARED_DIR, scratch_key
+from harness.experiment.spec import Spec, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_scratch_side_reads_none_of_the_fields_its_key_leaves_out():
+    """A field left out of scratch_key must not change the scratch run: its code never reads it."""
+    sources = [f for name in SCRATCH_CODE for f in ((ROOT / name).rglob("*.py") if (ROOT / name).is_dir()
+                                                    else [ROOT / name])]
+    assert len(sources) > 10
+    readers = {}
+    for f in sources:
+        if f.name == "limits.py":  # checks before any run (the memory floor of both sides), not the scratch run
+            continue
+        # the spec module checks fields against each other (not the run); its derived properties are checked below
+        text = f.read_text() if f.name != "spec.py" else "\n".join(
+            inspect.getsource(getattr(Spec, p).fget) for p in ("sequences_per_step", "micro_batch_size", "rounds"))
+        for field in SCRATCH_BLIND:
+            if re.search(rf"\b(spec|self)\.{re.escape(field)}\b", text):
+                readers.setdefault(field, []).append(f.relative_to(ROOT).as_posix())
+    assert not readers, f"scratch-side code reads fields scratch_key ignores: {readers}"
+
+
+def test_default_matrix_needs_six_scratch_runs_not_ten():
+    base = load_spec("harness/specs/default.toml")
+    cells = build_cells(base, "default")
+    keys = {scratch_key(c.spec) for c in cells}
+    assert len(cells) == 10 and len(keys) == 6
+    # the TRL-only toggles share the matched cell's scratch run
+    by_name = {c.name: scratch_key(c.spec) for c in cells}
+    assert by_name["matched"] == by_name["batch=naive"] == by_name["loss_type=dapo"]
+    assert by_name["matched"] != by_name["matched:loss_type=dapo"]
+
+
+def test_a_changed_reward_or_spec_field_changes_the_key():
+    base = load_spec("harness/specs/default.toml")
+    assert scratch_key(base) != scratch_key(load_spec("harness/specs/default.toml", ["LR=0.002"]))
+    assert scratch_key(base) == scratch_key(load_spec("harness/specs/default.toml", ["NAME=other", "TOLERANCE=static"]))
+
+
+def test_cells_share_one_scratch_run_and_resume_reuses_it(tmp_path):
+    base = load_spec("harness/specs/default.toml", ["STEPS=2"])
+    out = tmp_path / "m"
+    doc = run_matrix(base, out, "default", only=["matched", "loss_type=dapo"], log=lambda *_: None)
+    assert [c["verdict"] for c in doc["cells"]] == ["parity", "diverged"]
+    assert len([p for p in (out / SHARED_DIR).iterdir() if not p.name.startswith(".")]) == 1
+    dapo = doc["cells"][1]
+    assert any("scratch run shared" in n for n in dapo["notes"])
+    assert not (out / "loss_type-dapo" / "twin").exists()  # its envelope came with the shared run
+    assert (out / "loss_type-dapo" / "noise_envelope.json").exists()
+    # the attribution's re-run (loss_type aligned) has the same scratch side: shared too
+    assert (out / "loss_type-dapo").is_dir()
+    same = (out / "matched" / "scratch" / "metrics.jsonl").read_text()
+    assert (out / "loss_type-dapo" / "scratch" / "metrics.jsonl").read_text() == same
