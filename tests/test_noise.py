@@ -123,7 +123,8 @@ def test_equal_lengths_and_is_ratio_one():
 
 def test_why_no_effect_reasons(tmp_path):
     rollouts = tmp_path / "rollouts.jsonl"
-    rollouts.write_text("\n".join(json.dumps({"completion_ids": [[1] * 16, [2] * 16]}) for _ in range(3)) + "\n")
+    rollouts.write_text("\n".join(json.dumps({"completion_ids": [[1] * 16, [2] * 16]}) for _ in range(3))
+                        + '\n{"completion_ids": [[1, 2')  # a killed run's cut-short last line is no round
     assert "every completion is 16 tokens long" in why_no_effect("loss_type", {"metrics": {}}, tmp_path)
     rollouts.write_text(json.dumps({"completion_ids": [[1] * 16, [2] * 9]}) + "\n")
     assert why_no_effect("loss_type", {"metrics": {}}, tmp_path) is None  # static, lengths vary: cannot tell

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.runlog.atomic import atomic_write_text
+
 NOISE_FILE = "noise_envelope.json"
 
 
@@ -101,9 +103,7 @@ def save(env: Envelope, out_dir: Path, k: float, twin_dir: str) -> Path:
     doc = {"k": k, "twin": twin_dir, "steps": [int(s) for s in env.absolute.index],
            "envelope": {c: [float(v) for v in env.absolute[c]] for c in env.absolute.columns},
            "relative": {c: [float(v) for v in env.relative[c]] for c in env.relative.columns}}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(doc) + "\n")
     return path
 
 

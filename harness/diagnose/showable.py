@@ -29,8 +29,10 @@ def completion_lengths(rollouts_file: Path) -> list[list[int]]:
     if not Path(rollouts_file).exists():
         return rounds
     for line in Path(rollouts_file).read_text().splitlines():
-        if line.strip():
+        try:
             rounds.append([len(c) for c in json.loads(line)["completion_ids"]])
+        except (ValueError, KeyError, TypeError):  # a blank or cut-short line (a killed run): not a round
+            continue
     return rounds
 
 
