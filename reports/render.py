@@ -495,7 +495,8 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     mapping_path = b_root / "mapping.json"
     mapping = _json_file(mapping_path, [])
     fd = cell.get("first_divergence")
-    tol = tolerances.get("lockstep", {}).get(manifest_a.get("spec", {}).get("DTYPE", "float32"), {})
+    dtype = manifest_a.get("spec", {}).get("DTYPE", "float32")
+    tol = tolerances.get("lockstep", {}).get(dtype, {})
     # timing metrics get no curve and no tolerance: they differ run to run by nature
     ordered = [m for g in GROUPS.values() for m in g if m not in TIMING and m != "param_rel_l2"]
     if a is not None and b is not None:  # anything else both sides log (a reward's own mean, say)
@@ -506,8 +507,10 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         envelope = noise.load(cell_dir) if mode == "lockstep" else None  # the noise twin's: calibrated tolerance
     except (OSError, ValueError, KeyError, TypeError):  # a damaged envelope file: the static bands only
         envelope = None
-    if envelope is not None:
-        tol_by_metric["param_rel_l2"] = {"max": tolerances.get("calibrated", {}).get("param_rel_l2_floor", 1e-5)}
+    if envelope is not None:  # the calibrated run's floor, as the comparison used it
+        from harness.diagnose.compare import param_limit
+
+        tol_by_metric["param_rel_l2"] = {"max": param_limit(tolerances, "lockstep", dtype, calibrated=True)}
     k_noise = float(tolerances.get("calibrated", {}).get("k", 10.0))
     kinds = classify_metrics(a, b, ordered)
     plot = kinds["plot"] if full else [m for m in kinds["plot"] if m in KEY_METRICS]

@@ -123,10 +123,11 @@ def test_equal_lengths_and_is_ratio_one():
 
 def test_why_no_effect_reasons(tmp_path):
     rollouts = tmp_path / "rollouts.jsonl"
-    rollouts.write_text("\n".join(json.dumps({"completion_ids": [[1] * 16, [2] * 16]}) for _ in range(3))
+    record = {"round": 0, "prompt_ids": [[5, 6], [5, 6]], "completion_ids": [[1] * 16, [2] * 16], "logprobs": None}
+    rollouts.write_text("\n".join(json.dumps(record) for _ in range(3))
                         + '\n{"completion_ids": [[1, 2')  # a killed run's cut-short last line is no round
     assert "every completion is 16 tokens long" in why_no_effect("loss_type", {"metrics": {}}, tmp_path)
-    rollouts.write_text(json.dumps({"completion_ids": [[1] * 16, [2] * 9]}) + "\n")
+    rollouts.write_text(json.dumps({**record, "completion_ids": [[1] * 16, [2] * 9]}) + "\n")
     assert why_no_effect("loss_type", {"metrics": {}}, tmp_path) is None  # static, lengths vary: cannot tell
     calibrated = {"tolerance_mode": "calibrated", "k_noise": 10.0, "metrics": {"param_rel_l2": {"noise_last": 2e-6}}}
     why = why_no_effect("loss_type", calibrated, tmp_path)

@@ -161,6 +161,10 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         lost = lost_updates_warning(cell.spec, v["updates"])
         if lost:
             v["notes"].append(lost)
+        if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
+            why = why_no_effect(cell.expected_cause, result, cell_dir, cell.spec, details, v["updates"])
+            if why:
+                v["cannot_show"] = why
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
         v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
     except Exception as e:  # one failing cell never takes the others down
@@ -169,10 +173,8 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
     v["ok"] = v["verdict"] == cell.expected and (
         cell.expected_cause is None or (v["attribution"][:1] == [cell.expected_cause] and
                                         v["attribution_detail"][0]["status"] == "confirmed"))
-    if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here
-        why = why_no_effect(cell.expected_cause, result, cell_dir, cell.spec, v.get("attribution_detail"))
-        if why:
-            v.update(cannot_show=why, ok=True)
+    if v.get("cannot_show"):  # not a failure: the reason is in the verdict
+        v["ok"] = True
     v["wall_s"] = round(time.perf_counter() - t0, 1)
     return v
 

@@ -14,7 +14,6 @@ to act at this configuration at all, and the harness can often tell from the run
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +23,15 @@ IS_RATIO_METRICS = ("sampling/importance_sampling_ratio/min", "sampling/importan
 
 
 def completion_lengths(rollouts_file: Path) -> list[list[int]]:
-    """Per recorded round, the length of each completion (tokens)."""
-    rounds = []
-    if not Path(rollouts_file).exists():
-        return rounds
-    for line in Path(rollouts_file).read_text().splitlines():
-        try:
-            rounds.append([len(c) for c in json.loads(line)["completion_ids"]])
-        except (ValueError, KeyError, TypeError):  # a blank or cut-short line (a killed run): not a round
-            continue
-    return rounds
+    """Per recorded round, the length of each completion (tokens); none when the recording is missing or damaged
+    (read as the replay reads it: a cut-short last line is dropped)."""
+    from harness.rollouts.lockstep import ReplaySource
+
+    try:
+        records = ReplaySource.from_file(rollouts_file).records
+    except (OSError, ValueError):
+        return []
+    return [[len(c) for c in rec["completion_ids"]] for rec in records]
 
 
 def equal_lengths(rounds: list[list[int]]) -> int | None:
@@ -80,9 +78,11 @@ def lost_updates_warning(spec, summary: dict) -> str | None:
             "(MASTER_WEIGHTS = \"float32\", TRL's bf16=True on a float32-loaded model)")
 
 
-def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None) -> str | None:
+def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None,
+                  updates: dict | None = None) -> str | None:
     """The reason a toggle of `cause` could not show at this configuration, or None when the harness cannot tell.
-    `details`: the attribution's; its own evidence for a difference with no measured effect comes first."""
+    `details`: the attribution's; its own evidence for a difference with no measured effect comes first.
+    `updates`: the cell's `update_summary`, when the caller has it (else read from the sketches)."""
     said = [d.get("evidence") for d in details or [] if d.get("status") == "no measured effect" and d.get("evidence")]
     if said:
         return said[0]
@@ -101,7 +101,9 @@ def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, de
             return ("the IS ratio is exactly 1 at every step (sampler and trainer log-probs agree), so the correction "
                     "multiplies by 1; it shows only with a sampler whose log-probs differ (vLLM, or sampler.kind = "
                     "\"emulated\")")
-    lost = lost_updates_warning(spec, update_summary(cell_dir)) if spec is not None else None
+    if updates is None and spec is not None:
+        updates = update_summary(cell_dir)
+    lost = lost_updates_warning(spec, updates) if spec is not None else None
     if lost:
         return f"most updates never reached the weights ({lost})"
     weights = result.get("metrics", {}).get("param_rel_l2", {})
