@@ -511,7 +511,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         from harness.diagnose.compare import param_limit
 
         tol_by_metric["param_rel_l2"] = {"max": param_limit(tolerances, "lockstep", dtype, calibrated=True)}
-    k_noise = float(tolerances.get("calibrated", {}).get("k", 10.0))
+    k_noise = noise.k_of(tolerances)
     kinds = classify_metrics(a, b, ordered)
     plot = kinds["plot"] if full else [m for m in kinds["plot"] if m in KEY_METRICS]
     if fd and fd.get("metric") in plot:  # the metric where the sides part comes first

@@ -623,7 +623,7 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
     if one_sided not in ("divergence", "not_compared"):
         raise ValueError(f"one_sided: {one_sided!r}")
     tol = tolerances or load_tolerances()
-    k_noise = float(tol.get("calibrated", {}).get("k", 10.0))
+    k_noise = noise.k_of(tol)
     procs = [int((df.attrs.get("manifest") or {}).get("processes", 1)) for df in (a, b)]
     problems = [*a.attrs.get("problems", []), *b.attrs.get("problems", [])]
     gone = (a.attrs.get("absent") or {}, b.attrs.get("absent") or {})

@@ -91,6 +91,11 @@ def envelope(plain: pd.DataFrame, twin: pd.DataFrame, param_rel_l2: list[float] 
     return Envelope(pd.DataFrame(absolute, index=steps), pd.DataFrame(relative, index=steps))
 
 
+def k_of(tolerances: dict) -> float:
+    """k from a tolerance table's [calibrated] section (10 where it has none)."""
+    return float(tolerances.get("calibrated", {}).get("k", 10.0))
+
+
 def bound(floor: np.ndarray | float, env: np.ndarray | None, k: float) -> np.ndarray | float:
     """The calibrated bound at each step: the larger of the static floor and k times the envelope."""
     if env is None:

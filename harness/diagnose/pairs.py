@@ -169,7 +169,7 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
             train_scratch(spec, out_dir / "twin", rollout_source=ReplaySource(records), progress=progress,
                           noise_twin=True)
             envelope = twin_envelope(out_dir / "scratch", out_dir / "twin")
-            noise.save(envelope, out_dir, float(load_tolerances().get("calibrated", {}).get("k", 10.0)),
+            noise.save(envelope, out_dir, noise.k_of(load_tolerances()),
                        str(out_dir / "twin"))
     if store is not None:
         store.keep(spec, out_dir)
@@ -225,7 +225,7 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> d
         limit = param_limit(tol, mode, spec.DTYPE, calibrated=envelope is not None)
         env_at = envelope.at("param_rel_l2", [step]) if envelope is not None else None
         if env_at is not None:
-            limit = float(noise.bound(limit, env_at[0], tol["calibrated"]["k"]))
+            limit = float(noise.bound(limit, env_at[0], noise.k_of(tol)))
         result["metrics"]["param_rel_l2"] = {"max_abs": dist, "step_max_abs": step, "max_rel": dist, "mean_delta": dist,
                                              "first_outside": step if dist > limit else None,
                                              "tolerance": {"max": limit}}
