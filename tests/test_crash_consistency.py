@@ -5,11 +5,14 @@ The run: the default spec, STEPS=2, cells `matched` and `loss_type=dapo` (one pa
 confirmation re-run), 3-13 s on 2 cores. Its phases, told apart by the files it writes:
   0 starting (no verdict.json of this process yet)   1 the first cell   2 the second cell's pair
   3 the confirmation re-run                           4 the report and the runs index
-An uninterrupted run measures each phase. Then 5 chains of 4 kills each: chain c kills once in every phase but
-c, in order; a kill lands at a seeded random fraction of the phase's measured length after the phase starts.
-After a kill the next process is `--resume DIR` (a fresh `--spec` run where the kill left no verdict.json), and
-it is killed in turn; the chain's last resume runs to the end. So 20 kills, 4 in each phase, 15 of them of a
-resumed run, and 5 resumes to completion (each chain's fifth process), each compared with the uninterrupted run.
+An uninterrupted run (the second of two: the first pays the one-time costs) measures each phase. Then 5 chains
+of 4 kills each: chain c kills once in every phase but c, in order; a kill lands at a seeded random fraction of
+the phase's measured length after the phase starts. After a kill the next process is `--resume DIR` (a fresh
+`--spec` run where the kill left no verdict.json, or where a resume would not pass through the next target),
+and it is killed in turn; the chain's last resume runs to the end. A kill that lands past its phase (this run
+went through it faster than the measured one) is checked like any other and its target tried again, sooner. So
+at least 20 kills, at least 4 in each phase, most of them of a resumed run, and 5 resumes to completion, each
+compared with the uninterrupted run.
 
 After every kill: verdict.json is absent, or whole and `complete: false` and not `ok`, or complete with the
 uninterrupted run's verdicts; report.html and summary.txt exist only beside a complete verdict, and report.html
@@ -189,6 +192,20 @@ def check_after_kill(out: Path, ref: dict, what: str) -> dict | None:
     return doc
 
 
+def reachable(out: Path, target: int) -> bool:
+    """Whether `--resume out` passes through phase `target` (else a fresh run must): a resume keeps the cells
+    already finished, so it never enters the phase of a cell it kept."""
+    try:
+        doc = json.loads((out / "verdict.json").read_text())
+    except FileNotFoundError:
+        return True  # nothing to resume: a fresh run, which enters every phase
+    if target in (0, PHASES - 1):
+        return True
+    if doc["complete"]:
+        return False
+    return target != 1 or doc["cells_done"] == 0
+
+
 def test_sigkill_at_20_moments_then_resume(tmp_path, private_cache):
     env = {**os.environ, "GRPO_PARITY_CACHE": str(private_cache), "OMP_NUM_THREADS": "1"}
     runs, logs = tmp_path / "runs", tmp_path / "logs"
@@ -196,15 +213,18 @@ def test_sigkill_at_20_moments_then_resume(tmp_path, private_cache):
     logs.mkdir()
     rng = random.Random(SEED)
     server = Server(env)
-    kills, phases_killed, t_all = 0, [], time.perf_counter()
+    kills, phases_killed, missed, t_all = 0, [], [], time.perf_counter()
     try:
-        ref_out = runs / "reference"
-        rc, entered = run(server, ["parity", "--spec", str(DEFAULT_SPEC), *ARGS, "--out", str(ref_out)],
-                          logs / "reference.log", ref_out)
-        assert rc == 0, (logs / "reference.log").read_text()[-3000:]
-        ref = json.loads((ref_out / "verdict.json").read_text())
-        assert ref["complete"] and ref["ok"] and len(ref["cells"]) == 2
-        assert [p for p in entered if p != "end"] == list(range(PHASES)), f"phases of the uninterrupted run: {entered}"
+        # the reference run, twice: the first fills the model cache and pays one-time costs, so the phase lengths
+        # the kills are timed by come from the second (a kill timed by a cold run's lengths lands too late)
+        for name in ("reference-cold", "reference"):
+            ref_out = runs / name
+            rc, entered = run(server, ["parity", "--spec", str(DEFAULT_SPEC), *ARGS, "--out", str(ref_out)],
+                              logs / f"{name}.log", ref_out)
+            assert rc == 0, (logs / f"{name}.log").read_text()[-3000:]
+            ref = json.loads((ref_out / "verdict.json").read_text())
+            assert ref["complete"] and ref["ok"] and len(ref["cells"]) == 2
+            assert [p for p in entered if p != "end"] == list(range(PHASES)), f"phases of the run: {entered}"
         ends = [entered[p] for p in range(1, PHASES)] + [entered["end"]]
         lengths = [max(0.02, ends[p] - entered[p]) for p in range(PHASES)]
 
@@ -212,26 +232,34 @@ def test_sigkill_at_20_moments_then_resume(tmp_path, private_cache):
             out = runs / f"chain-{c}"
             for n, target in enumerate([p for p in range(PHASES) if p != c]):
                 offsets = [rng.random() * 0.8 * length for length in lengths]
-                fresh = not (out / "verdict.json").exists()
-                if fresh and n:  # a kill before verdict.json: nothing to resume, says so in one line
-                    err = logs / f"chain-{c}-resume-refused.log"
-                    assert run(server, ["parity", "--resume", str(out)], err, out)[0] == 2
-                    assert len(err.read_text().strip().splitlines()) == 1, err.read_text()
-                argv = ["parity", "--spec", str(DEFAULT_SPEC), *ARGS, "--out", str(out)] if fresh else \
-                    ["parity", "--resume", str(out), "--quiet"]
                 log = logs / f"chain-{c}-kill-{n}.log"
-                for _attempt in range(3):  # the run may end before a late moment in its last phase: again
+                # A kill lands in a later phase when the run passed the target before the kill moment (a phase
+                # shorter this time than in the reference): it still counts and is checked, and the target is
+                # tried again, sooner, from a folder that passes through it (a fresh run where a resume would not).
+                for attempt in range(4):
+                    fresh = not (out / "verdict.json").exists()
+                    if fresh and n and not attempt:  # a kill before verdict.json: nothing to resume, one line says so
+                        err = logs / f"chain-{c}-resume-refused.log"
+                        assert run(server, ["parity", "--resume", str(out)], err, out)[0] == 2
+                        assert len(err.read_text().strip().splitlines()) == 1, err.read_text()
+                    argv = ["parity", "--resume", str(out), "--quiet"] if not fresh and reachable(out, target) else \
+                        ["parity", "--spec", str(DEFAULT_SPEC), *ARGS, "--out", str(out), "--force"]
                     rc, entered = run(server, argv, log, out, target, offsets)
-                    if rc is None:
+                    if rc is not None:  # it ended before a late moment in its last phase
+                        assert rc == 0, log.read_text()[-3000:]
+                        check_after_kill(out, ref, f"chain {c}, kill {n}: finished")
+                        offsets[target] /= 2
+                        continue
+                    kills += 1
+                    killed_in = max(p for p in entered if p != "end")
+                    phases_killed.append(killed_in)
+                    check_after_kill(out, ref, f"chain {c}, kill {n} (phase {killed_in}); log {log}")
+                    if killed_in == target:
                         break
-                    assert rc == 0, log.read_text()[-3000:]
-                    check_after_kill(out, ref, f"chain {c}, kill {n}: finished")
-                    argv = ["parity", "--spec", str(DEFAULT_SPEC), *ARGS, "--out", str(out), "--force"]
-                assert rc is None, f"chain {c}: no kill landed in phase {target}"
-                kills += 1
-                killed_in = max(p for p in entered if p != "end")
-                phases_killed.append(killed_in)
-                check_after_kill(out, ref, f"chain {c}, kill {n} (phase {killed_in}); log {log}")
+                    missed.append((target, killed_in))
+                    offsets[target] /= 2
+                else:
+                    raise AssertionError(f"chain {c}: no kill landed in phase {target} in 4 tries; missed {missed}")
             # the chain's last resume runs to the end: the uninterrupted run's verdicts
             log = logs / f"chain-{c}-final.log"
             argv = ["parity", "--resume", str(out), "--quiet"] if (out / "verdict.json").exists() else \
@@ -243,9 +271,10 @@ def test_sigkill_at_20_moments_then_resume(tmp_path, private_cache):
             assert (out / "report.html").exists() and (out / "summary.txt").exists()
     finally:
         server.close()
-    assert kills == KILLS
-    assert all(phases_killed.count(p) >= 3 for p in range(PHASES)), phases_killed
-    print(f"{kills} kills in phases {phases_killed}, {time.perf_counter() - t_all:.0f} s")
+    assert kills >= KILLS
+    assert all(phases_killed.count(p) >= KILLS // PHASES for p in range(PHASES)), phases_killed
+    print(f"{kills} kills in phases {phases_killed} (lengths {[round(x, 2) for x in lengths]} s; kills that landed "
+          f"past their phase, as (target, landed): {missed}), {time.perf_counter() - t_all:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------
