@@ -161,6 +161,24 @@ def cmd_run(args) -> int:
     return 0
 
 
+def check_backend(args) -> None:
+    """--backend, --jobs and --ray-address make sense together, and Ray is there when asked for: before any model
+    loads."""
+    if args.jobs < 1:
+        raise InputError(f"--jobs {args.jobs}: at least 1")
+    if args.backend == "ray":
+        if args.jobs != 1:
+            raise InputError("--jobs is for --backend local; with --backend ray the cluster's GPUs (or CPUs) set how "
+                             "many runs happen at once: drop --jobs")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise InputError("--backend ray needs Ray, which is not installed: pip install 'grpo-parity[ray]' "
+                             "(or pip install 'ray>=2.60,<3')") from None
+    elif args.ray_address:
+        raise InputError("--ray-address is for --backend ray: add --backend ray, or drop --ray-address")
+
+
 def read_resume(folder: str):
     """The verdict.json and base spec of the run `--resume` continues; a file that is not a parity run's is bad
     input (exit 2), not a KeyError."""
@@ -209,6 +227,7 @@ def cmd_parity(args) -> int:
         raise InputError("--loop runs with --matrix none: the toggles vary TRL against the built-in loop, while your "
                          "loop's differences from TRL are found by the explanation search")
     check_inputs(spec)
+    check_backend(args)
     from harness.diagnose.preflight import format_preflight, preflight
 
     _tr, diffs, facts = preflight(spec)
@@ -229,6 +248,7 @@ def cmd_parity(args) -> int:
         try:
             doc = run_matrix(spec, out, matrix=args.matrix, mode=args.mode, progress=not args.quiet and args.verbose, log=print,
                       resume=bool(args.resume), processes=args.processes, jobs=args.jobs, started=lambda: _index(out),
+                      backend=args.backend, address=args.ray_address,
                       only=[c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else None)
         except ValueError as e:
             if str(e).startswith("--cells"):
@@ -447,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "scratch loop, for each loss type")
     pa.add_argument("--jobs", type=int, default=1, metavar="K",
                     help="run K independent cells at once, one GPU each where there are GPUs (default 1)")
+    pa.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="where the runs happen: this machine (default; --jobs sets how many at once) or a Ray "
+                         "cluster, one GPU per run (docs/scaling.md)")
+    pa.add_argument("--ray-address", metavar="ADDR", default=None,
+                    help="with --backend ray: the cluster to use ('auto', 'ray://head:10001'; default RAY_ADDRESS, "
+                         "else a local cluster started for this run)")
     pa.add_argument("--force", action="store_true", help="replace a parity run already in --out")
     pa.add_argument("--quiet", action="store_true", help="no per-step progress")
     pa.add_argument("--verbose", action="store_true", help="per-step progress inside each cell")

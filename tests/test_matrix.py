@@ -62,14 +62,16 @@ def test_a_difference_without_effect_is_reported_not_hidden(tmp_path):
 
 
 def test_a_failing_cell_does_not_sink_the_matrix(tmp_path, monkeypatch):
-    real = M.run_pair
+    from harness.diagnose import pairs
+
+    real = pairs.run_pair
 
     def flaky(spec, out_dir, mode="lockstep", progress=False, **kwargs):
         if spec.LOSS_NORM == "token_local":
             raise RuntimeError("CUDA out of memory (simulated)")
         return real(spec, out_dir, mode, progress, **kwargs)
 
-    monkeypatch.setattr(M, "run_pair", flaky)
+    monkeypatch.setattr(pairs, "run_pair", flaky)
     doc = M.run_matrix(small_spec("STEPS=2"), tmp_path, "default", log=lambda *_: None,
                        only=["matched", "matched:loss_type=bnpo", "loss_type=dapo"])
     by_name = {c["name"]: c for c in doc["cells"]}

@@ -11,10 +11,11 @@ that the runs show no effect of says why when the harness can tell (`NO_EFFECT_W
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 from pathlib import Path
 
-from harness.diagnose import pairs
 from harness.diagnose.preflight import CHECK_ORDER, alignment_for, apply_alignment, fix_for, preflight
 
 _SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
@@ -52,7 +53,7 @@ def evidence(check: str, result: dict) -> str | None:
     return None
 
 
-def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None) -> list[dict]:
+def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None) -> list[dict]:
     """Name the causes of a divergence and confirm them by re-runs with differences aligned.
 
     One difference: a re-run with it aligned confirms it when the divergence disappears. Several: align all of
@@ -61,7 +62,9 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     keeping a drop whenever parity holds without it. What is left is a set whose alignment was seen to give
     parity (sufficient) and each of whose members is needed (necessary): each is `confirmed`, the rest have
     `no measured effect`. With two or more causes, each gets its share of the gap at the last step, from a
-    re-run with only that cause left different. `store`: the matrix's shared scratch runs (pairs.ScratchStore)."""
+    re-run with only that cause left different. `store`: the matrix's shared scratch runs (pairs.ScratchStore).
+    `backend`: where the re-runs run (backends.py); one with room for several runs gets each round of candidates
+    at once."""
     if "yours" in getattr(cell, "sides", ()):
         return _attribute_your_loop(cell, result, cell_dir, mode, log)
     _tr, diffs, _facts = preflight(cell.spec)
@@ -81,7 +84,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
                  "evidence": "the preflight shows no difference: a bug on one side, or nondeterminism"}]
     # a difference no spec change aligns (bnpo across processes, say) cannot be tested by a re-run
     fixed = [c for c in checks if any(alignment_for(diffs, c).get(k) for k in ("set", "drop_trl", "set_trl"))]
-    search = CauseSearch(cell.spec, diffs, fixed, cell_dir, mode, progress, log, store)
+    search = CauseSearch(cell.spec, diffs, fixed, cell_dir, mode, progress, log, store, backend)
     causes = search.minimal_causes() if fixed else None
     if causes is None and len(fixed) < len(checks):  # the untestable ones may carry it: suspected, not unexplained
         return sorted([{"cause": c, "fields": fields[c], "evidence": evidence(c, result) or (
@@ -120,6 +123,8 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
 
 
 _RERUNS: dict[str, dict] = {}  # resolved spec + mode -> comparison: a re-run made once serves every cell of a matrix
+_INFLIGHT: dict[str, concurrent.futures.Future] = {}  # re-runs being made now (cells run in threads on a backend)
+_LOCK = threading.Lock()
 
 
 def reset_cache() -> None:
@@ -130,8 +135,11 @@ def reset_cache() -> None:
 class CauseSearch:
     """Re-runs of one cell with a subset of its differences aligned, cached by the resolved spec."""
 
-    def __init__(self, spec, diffs, checks, cell_dir: Path, mode: str, progress: bool, log, store=None):
+    def __init__(self, spec, diffs, checks, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None):
+        from harness.diagnose.backends import InProcess
+
         self.spec, self.diffs, self.checks, self.store = spec, diffs, checks, store
+        self.backend = backend or InProcess()
         self.cell_dir, self.mode, self.progress, self.log = cell_dir, mode, progress, log
         self.reruns = 0  # new runs made for this cell
         self.reused = 0  # runs another cell of the matrix had made already
@@ -151,23 +159,46 @@ class CauseSearch:
         spec = apply_alignment(self.spec, align)
         key = json.dumps([spec.to_dict(), self.mode], sort_keys=True, default=str)
         name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))
-        if key in _RERUNS:
-            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made earlier in this matrix, reused")
-            self.reused += 1
-            out = _RERUNS[key]
+        with _LOCK:
+            known, fut = _RERUNS.get(key), _INFLIGHT.get(key)
+            mine = known is None and fut is None
+            if mine:  # this cell makes it; another cell asking meanwhile waits for it (no run made twice)
+                fut = _INFLIGHT[key] = concurrent.futures.Future()
+                self.reruns += 1
+                n = self.reruns
+            else:
+                self.reused += 1
+        if not mine:
+            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by another cell of this matrix, reused")
+            out = known if known is not None else fut.result()
+            if out is None:
+                self.errors.append("the same re-run failed in another cell of this matrix")
         else:
-            self.reruns += 1
-            self.log(f"    re-run {self.reruns} (at most {2 * len(self.checks) + 1}): {', '.join(sorted(aligned))} "
-                     "aligned")
+            self.log(f"    re-run {n} (at most {2 * len(self.checks) + 1}): {', '.join(sorted(aligned))} aligned")
+            out = None
             try:
-                out = pairs.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress, store=self.store)
+                out = self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
+                                            store=self.store)
             except Exception as e:  # a failing re-run must not sink the cell
                 self.errors.append(f"{type(e).__name__}: {e}")
-                out = None
-            if out is not None:
-                _RERUNS[key] = out
+            finally:
+                with _LOCK:
+                    if out is not None:
+                        _RERUNS[key] = out
+                    _INFLIGHT.pop(key, None)
+                fut.set_result(out)
         self.results[aligned] = out
         return out
+
+    def prefetch(self, sets: list) -> None:
+        """Run the re-runs not made yet at once, where the backend has room for more than one (else later, one by
+        one, as the search asks for them)."""
+        todo = list(dict.fromkeys(frozenset(a) for a in sets if a and frozenset(a) not in self.results))
+        if self.backend.slots > 1 and len(todo) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=min(len(todo), self.backend.slots)) as ex:
+                list(ex.map(self.run, todo))
 
     def parity(self, aligned) -> bool:
         out = self.run(frozenset(aligned))
@@ -180,6 +211,8 @@ class CauseSearch:
             return None
         chunk = max(1, len(kept) // 2)
         while True:
+            # this pass's candidates as they stand (a drop changes the later ones: those are asked for anew)
+            self.prefetch([kept[:j] + kept[j + chunk:] for j in range(0, len(kept), chunk)])
             i, dropped = 0, False
             while i < len(kept):
                 rest = kept[:i] + kept[i + chunk:]
@@ -196,6 +229,7 @@ class CauseSearch:
         """Per cause, its share of the gap at the last step (weights, loss, reward), from a re-run with only it
         left different."""
         gaps = {}
+        self.prefetch([frozenset(self.checks) - {c} for c in causes])
         for c in causes:
             out = self.run(frozenset(self.checks) - {c})
             gaps[c] = _last_gaps(out) if out is not None else {}

@@ -19,7 +19,8 @@ import traceback
 from pathlib import Path
 
 from harness.diagnose.attribution import attribute, reset_cache
-from harness.diagnose.pairs import SHARED_DIR, ScratchStore, run_pair
+from harness.diagnose.backends import InProcess, make_backend
+from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
 from harness.diagnose.showable import lost_updates_warning, update_summary, why_no_effect
 from loop_runner.run import LoopError
@@ -139,18 +140,20 @@ def _summary_metrics(result: dict) -> dict:
 
 
 def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool = False, log=print,
-             store: ScratchStore | None = None) -> dict:
+             store: ScratchStore | None = None, backend=None) -> dict:
     """One cell: both loops, the comparison, the attribution. Never raises for a failing run: the verdict says.
-    `store`: scratch runs shared by the matrix's cells and re-runs (pairs.ScratchStore)."""
+    `store`: scratch runs shared by the matrix's cells and re-runs (pairs.ScratchStore). `backend`: where its
+    pairs run (backends.InProcess when None)."""
+    backend = backend or InProcess()
     t0 = time.perf_counter()
     v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
          "expected_cause": cell.expected_cause}
     try:
-        result = run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
+        result = backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
         v["sides"] = list(cell.sides)
         v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
         v["first_divergence"] = result["first_divergence"]
-        details = attribute(cell, result, cell_dir, mode, progress, log, store)
+        details = attribute(cell, result, cell_dir, mode, progress, log, store, backend)
         v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
         v["attribution_detail"] = details
         v["metrics"] = _summary_metrics(result)
@@ -179,22 +182,14 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
     return v
 
 
-def _claim_gpu(gpus) -> None:
-    """Worker start-up (--jobs): take one GPU for this worker's lifetime, before torch sees any."""
-    if gpus is not None:
-        import os
-
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus.get())
-
-
 def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
                log=print, only: list[str] | None = None, resume: bool = False, processes: int = 1,
-               jobs: int = 1, started=None) -> dict:
+               jobs: int = 1, started=None, backend: str = "local", address: str | None = None) -> dict:
     """Run every cell, writing verdict.json after each. `resume`: keep the cells an earlier run of the same
     spec, matrix and mode finished in `out_dir` (a cell cut short is run again from its start). `jobs` > 1:
-    independent cells in that many worker processes, one GPU each where there are GPUs. `started`: called once
-    the run is on record (verdict.json, `complete: false`), before the first cell (the CLI refreshes the runs
-    index there)."""
+    the pairs in that many worker processes, one GPU each where there are GPUs; `backend="ray"`: as Ray tasks
+    on the cluster at `address` (backends.py). `started`: called once the run is on record (verdict.json,
+    `complete: false`), before the first cell (the CLI refreshes the runs index there)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reset_cache()
@@ -250,35 +245,43 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
             log(f"[cell {i}/{len(cells)}] {cell.name}: finished earlier, kept")
         else:
             pending.append(cell)
-    if jobs <= 1:
-        for n, cell in enumerate(pending, 1):
-            elapsed = time.perf_counter() - t_start
-            eta = f", eta {elapsed / (n - 1) * (len(pending) - n + 1):.0f} s" if n > 1 else ""
-            log(f"[cell {len(results) + 1}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
-            finished(run_cell(cell, out_dir / _dirname(cell.name), mode, progress, log, store))
-    elif pending:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        import torch
-
-        ctx = multiprocessing.get_context("spawn")  # fresh workers: CUDA_VISIBLE_DEVICES is read at their start
-        gpus = None
-        if torch.cuda.is_available():
-            gpus = ctx.Manager().Queue()
-            for g in range(torch.cuda.device_count()):
-                gpus.put(g)
-            jobs = min(jobs, torch.cuda.device_count())
-        log(f"running {len(pending)} cells on {jobs} workers" + (" (one GPU each)" if gpus is not None else ""))
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_claim_gpu, initargs=(gpus,)) as ex:
-            futures = {ex.submit(run_cell, cell, out_dir / _dirname(cell.name), mode, False, print, store): cell
-                       for cell in pending}
-            for fut in as_completed(futures):
-                finished(fut.result())
+    runner = make_backend(backend, jobs, address, log) if pending else InProcess()
+    try:
+        if runner.slots <= 1:
+            for n, cell in enumerate(pending, 1):
+                elapsed = time.perf_counter() - t_start
+                eta = f", eta {elapsed / (n - 1) * (len(pending) - n + 1):.0f} s" if n > 1 else ""
+                log(f"[cell {len(results) + 1}/{len(cells)}] {cell.name} (expected {cell.expected}{eta})")
+                finished(run_cell(cell, out_dir / _dirname(cell.name), mode, progress, log, store, runner))
+        else:  # each cell's logic in a thread here; its pairs wait on the backend's workers
+            _run_cells_in_threads(pending, out_dir, mode, log, store, runner, finished, len(cells) - len(pending),
+                                  len(cells), t_start)
+    finally:
+        runner.close()
     ordered = [results[c.name] for c in cells if c.name in results]
     doc = _verdict_doc(base, matrix, mode, ordered, t_start, processes, only, total=len(cells))
     _write_json(out_dir / "verdict.json", doc)
     return doc
+
+
+def _run_cells_in_threads(pending, out_dir: Path, mode: str, log, store, runner, finished, done: int, total: int,
+                          t_start: float) -> None:
+    """The cells at once, each in a thread that sends its pairs to `runner`; verdict.json after each cell ends."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    log(f"running {len(pending)} cells, {runner.slots} runs at a time")
+
+    def one(cell):
+        return run_cell(cell, out_dir / _dirname(cell.name), mode, False,
+                        lambda msg, name=cell.name: log(f"  [{name}] {str(msg).strip()}"), store, runner)
+
+    with ThreadPoolExecutor(max_workers=min(len(pending), 64)) as ex:
+        futures = {ex.submit(one, cell): cell for cell in pending}
+        for n, fut in enumerate(as_completed(futures), 1):
+            v = fut.result()  # run_cell never raises: a failed run is in its verdict
+            elapsed, left = time.perf_counter() - t_start, len(pending) - n
+            log(f"[cell {done + n}/{total} done] {v['name']}" + (f" (eta {elapsed / n * left:.0f} s)" if left else ""))
+            finished(v)
 
 
 def _number(x) -> bool:

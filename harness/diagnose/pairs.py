@@ -74,12 +74,15 @@ class ScratchStore:
     def entry(self, spec) -> Path:
         return self.root / scratch_key(spec)
 
+    def has(self, spec) -> bool:
+        return (self.entry(spec) / "scratch").is_dir()
+
     def fetch(self, spec, out_dir: Path) -> bool:
         """Copy a stored scratch run into out_dir (scratch/, rollouts, envelope); False when there is none."""
         from harness.rollouts.lockstep import ROLLOUTS_FILE
 
         src = self.entry(spec)
-        if not (src / "scratch").is_dir():
+        if not self.has(spec):
             return False
         if (out_dir / "scratch").exists():
             shutil.rmtree(out_dir / "scratch")
@@ -138,13 +141,43 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
              sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None) -> dict:
     """Both sides on `spec` into out_dir/<side>; returns the comparison of sides[0] with sides[1]. `store`: where
     scratch runs are shared (a matrix's); a run stored there with the same `scratch_key` is copied, not re-made."""
-    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer, resolve_device
     from harness.rollouts.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource, write_loop_rollouts
-    from scratch_grpo.train import train as train_scratch
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "free":
         return run_free_pair(spec, out_dir, progress, sides=sides)
+    records, envelope, notes, (tok, eos, device) = _scratch_side(spec, out_dir, progress, store)
+    broken = []
+    for side in sides:
+        if side == "trl":
+            replay = ReplaySource(records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
+            _train("trl", spec, out_dir / "trl", progress, rollouts=out_dir / ROLLOUTS_FILE, replay=replay)
+            broken = replay.broken_rounds
+        elif side == "yours":
+            loop_rollouts = write_loop_rollouts(spec, records, out_dir / "loop_rollouts.jsonl")
+            _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
+    result = compare_sides(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope)
+    result["notes"] += notes
+    if broken:
+        result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
+                               "for prompts the scratch loop did not use, so it sampled them from its own weights")
+    return result
+
+
+def make_scratch(spec, out_dir: Path, progress: bool = False, store: ScratchStore | None = None) -> None:
+    """The scratch side of a lockstep pair alone (its run, recording and noise envelope) into out_dir and `store`:
+    a backend runs it once for every cell that shares it, before their pairs (harness/diagnose/backends.py)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    _scratch_side(spec, Path(out_dir), progress, store)
+
+
+def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | None):
+    """The scratch run of a lockstep pair, copied from `store` when it holds one: (its rollout records, the noise
+    envelope or None, notes, (tokenizer, eos ids, device))."""
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer, resolve_device
+    from harness.rollouts.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
+    from scratch_grpo.train import train as train_scratch
+
     ckpt = checkpoint_dir(spec)
     tok = load_tokenizer(ckpt)
     device = resolve_device(spec)
@@ -173,21 +206,7 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
                        str(out_dir / "twin"))
     if store is not None:
         store.keep(spec, out_dir)
-    broken = []
-    for side in sides:
-        if side == "trl":
-            replay = ReplaySource(records, fallback=RecordingSource(spec, eos, tok.pad_token_id, device))
-            _train("trl", spec, out_dir / "trl", progress, rollouts=out_dir / ROLLOUTS_FILE, replay=replay)
-            broken = replay.broken_rounds
-        elif side == "yours":
-            loop_rollouts = write_loop_rollouts(spec, records, out_dir / "loop_rollouts.jsonl")
-            _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
-    result = compare_sides(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope)
-    result["notes"] += notes
-    if broken:
-        result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
-                               "for prompts the scratch loop did not use, so it sampled them from its own weights")
-    return result
+    return records, envelope, notes, (tok, eos, device)
 
 
 def twin_envelope(plain_dir: Path, twin_dir: Path):

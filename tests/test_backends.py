@@ -1,0 +1,157 @@
+"""Backends (harness/diagnose/backends.py): a matrix's cells on K local worker processes (`--jobs K`) and as Ray
+tasks on a local Ray cluster (`--backend ray`, issue 21 item 4) give the verdicts of a run one cell after another;
+a worker that dies fails the cells whose runs it held, which `--resume` runs again; no scratch run is made twice.
+
+The worker is killed from inside: a reward file that calls os._exit the first time a worker scores with it after a
+marker file appears (the first caller takes the marker by renaming it, so exactly one worker dies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from conftest import DEFAULT_SPEC
+from harness.cli import main
+
+DIES = '''
+import os
+
+MARK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "die-once")
+
+
+def right_or_die(prompts, completions, answer, **kwargs):
+    """1 for the right number; the first call in a worker after die-once appears kills that worker (as the OOM
+    killer would). die-once holds the driver's pid: the driver checks the reward before any run, and lives."""
+    try:
+        driver = int(open(MARK).read())
+        if os.getpid() != driver:
+            os.rename(MARK, MARK + ".taken")  # one caller wins the marker, however many workers race for it
+            os._exit(17)
+    except FileNotFoundError:
+        pass
+    return [float(a in (c[0]["content"] if isinstance(c, list) else c)) for c, a in zip(completions, answer)]
+'''
+
+CELLS = "matched,loss_type=dapo,batch=naive"
+
+
+def verdicts(doc: dict) -> list:
+    return [(c["name"], c["verdict"], c["ok"], c["attribution"], c["first_divergence"]) for c in doc["cells"]]
+
+
+@pytest.fixture
+def dying_spec(tmp_path):
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "dies.py").write_text(DIES)
+    text = DEFAULT_SPEC.read_text().replace('functions = ["correctness", "format"]',
+                                            'functions = ["rewards/dies.py:right_or_die", "format"]')
+    path = tmp_path / "spec.toml"
+    path.write_text(text.replace("STEPS = 30", "STEPS = 2"))
+    return path
+
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs for the test (started by the first --backend ray run), shut down after."""
+    ray = pytest.importorskip("ray", reason="Ray is in the [test] extra: `make env` installs it")
+    yield ray
+    ray.shutdown()
+
+
+def run_with_a_death(tmp_path, spec, flags: list[str]) -> tuple[dict, dict, dict]:
+    """The sequential reference, then the same cells on the backend with one worker killed, then --resume."""
+    ref_out, out = tmp_path / "sequential", tmp_path / "parallel"
+    assert main(["parity", "--spec", str(spec), "--cells", CELLS, "--quiet", "--out", str(ref_out)]) == 0
+    ref = json.loads((ref_out / "verdict.json").read_text())
+    (spec.parent / "rewards" / "die-once").write_text(str(os.getpid()))
+    argv = ["parity", "--spec", str(spec), "--cells", CELLS, "--quiet", "--out", str(out), *flags]
+    assert main(argv) == 3  # a failed cell: exit 3
+    killed = json.loads((out / "verdict.json").read_text())
+    assert (spec.parent / "rewards" / "die-once.taken").exists()  # the death happened, in a worker
+    assert main(["parity", "--resume", str(out), "--quiet", *flags]) == 0
+    return ref, killed, json.loads((out / "verdict.json").read_text())
+
+
+def check(ref: dict, killed: dict, resumed: dict, died: str) -> None:
+    failed = [c for c in killed["cells"] if c["verdict"] == "failed"]
+    assert failed and not killed["ok"], verdicts(killed)  # the death is reported, never a pass
+    assert all(died in c["error"] and "--resume" in c["error"] for c in failed), [c["error"] for c in failed]
+    for c in killed["cells"]:  # the cells the death did not touch are right
+        if c["verdict"] != "failed":
+            assert (c["name"], c["verdict"], c["ok"]) in [v[:3] for v in verdicts(ref)]
+    assert resumed["complete"] and resumed["ok"]
+    assert verdicts(resumed) == verdicts(ref)
+
+
+def test_ray_local_cluster_same_verdicts_and_a_dead_worker_rerun_on_resume(tmp_path, dying_spec, ray_cluster,
+                                                                            capsys):
+    ref, killed, resumed = run_with_a_death(tmp_path, dying_spec, ["--backend", "ray"])
+    check(ref, killed, resumed, "WorkerDied: the Ray worker running this pair died")
+    out = capsys.readouterr().out
+    assert "backend: Ray cluster with" in out and "running 3 cells" in out
+
+
+def test_jobs_same_verdicts_and_a_dead_worker_process_rerun_on_resume(tmp_path, dying_spec):
+    ref, killed, resumed = run_with_a_death(tmp_path, dying_spec, ["--jobs", "2"])
+    check(ref, killed, resumed, "WorkerDied: a worker process died")
+
+
+def test_a_scratch_run_shared_by_cells_is_made_once_on_a_backend(tmp_path, monkeypatch):
+    """Cells (and re-runs) whose scratch side is set up alike wait for one scratch run on a parallel backend: the
+    default matrix's first three cells share one, so one scratch run, one make_scratch call, three pairs."""
+    from harness.diagnose import backends, pairs
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
+
+    calls, one_at_a_time = [], threading.Lock()
+
+    class Counting(backends._Pool):  # the pool's logic; its runs in this process, one at a time (torch's seeding
+        slots = 3                    # is per process), counted
+
+        def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
+            with one_at_a_time:
+                calls.append("scratch" if scratch_only else "pair")
+                return backends._pair_job(spec, str(out_dir), mode, sides, store_root, scratch_only)
+
+    made = []
+    real = pairs._scratch_side
+
+    def counted(spec, out_dir, progress, store):
+        had = store is not None and store.has(spec)
+        made.append(not had)
+        return real(spec, out_dir, progress, store)
+
+    monkeypatch.setattr(pairs, "_scratch_side", counted)
+    monkeypatch.setattr("harness.diagnose.matrix.make_backend", lambda *a, **k: Counting())
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=2"])
+    doc = run_matrix(spec, tmp_path / "m", "default", log=lambda *_: None, only=CELLS.split(","), jobs=3)
+    assert doc["ok"], verdicts(doc)
+    assert calls.count("scratch") == 1, calls
+    assert sum(made) == 1, made  # one scratch run trained; every other pair copied it from the store
+    assert calls.count("pair") == 3 + 1  # three cells and one confirmation re-run (the other is reused)
+
+
+def test_backend_flags_are_checked_before_any_model_loads(tmp_path, capsys):
+    base = ["parity", "--spec", str(DEFAULT_SPEC), "--out", str(tmp_path / "x")]
+    assert main([*base, "--backend", "ray", "--jobs", "2"]) == 2
+    assert "--jobs is for --backend local" in capsys.readouterr().err
+    assert main([*base, "--ray-address", "auto"]) == 2
+    assert "--ray-address is for --backend ray" in capsys.readouterr().err
+    assert main([*base, "--jobs", "0"]) == 2
+    assert "--jobs 0: at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_worker_without_the_run_folder_says_so(tmp_path):
+    """On a cluster without a shared filesystem the worker refuses instead of writing to its own disk."""
+    from harness.diagnose.backends import _pair_job
+    from harness.experiment.spec import load_spec
+
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=1"])
+    with pytest.raises(RuntimeError, match="is not there; --out must be on a filesystem every worker mounts"):
+        _pair_job(spec, str(tmp_path / "elsewhere" / "cell"), "lockstep", ("scratch", "trl"), None)
+    assert not (tmp_path / "elsewhere").exists()
