@@ -103,10 +103,15 @@ class _Pool:
         fut.set_result(None)
 
 
-def _claim_gpu(gpus) -> None:
-    """Worker start-up (--jobs): take one GPU for this worker's lifetime, before torch sees any."""
+def _claim_gpu(gpus, threads: int) -> None:
+    """Worker start-up (--jobs): take one GPU for this worker's lifetime, before torch sees any, and this worker's
+    share of the CPU cores (K workers of the default thread count each would oversubscribe them: on 2 cores, 2
+    workers of 2 threads ran the default matrix 3x slower than one process)."""
     if gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus.get())
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 class Processes(_Pool):
@@ -137,8 +142,9 @@ class Processes(_Pool):
             gpus = self._manager.Queue()
             for g in range(self._gpus):
                 gpus.put(g)
+        threads = max(1, (os.cpu_count() or 1) // self.slots)
         return ProcessPoolExecutor(max_workers=self.slots, mp_context=self._ctx, initializer=_claim_gpu,
-                                   initargs=(gpus,))
+                                   initargs=(gpus, threads))
 
     def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
         from concurrent.futures.process import BrokenProcessPool
