@@ -190,6 +190,7 @@ class RayCluster(_Pool):
         if g > gpus:
             raise ValueError(f"--backend ray: each run asks for {g} GPU(s) but the cluster has {gpus:g}")
         self.slots = max(1, int(gpus // g) if g else int(cpus // cpus_per_run))
+        self._gpus_per_run, self._cluster_gpus = g, gpus
         self._job = ray.remote(_pair_job).options(num_gpus=g, num_cpus=cpus_per_run, max_retries=0)
         log(f"backend: Ray cluster with {cpus:g} CPUs and {gpus:g} GPUs; each run takes {g:g} GPU and "
             f"{cpus_per_run:g} CPU, so {self.slots} run at once")
@@ -197,7 +198,14 @@ class RayCluster(_Pool):
     def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
         exc = self._ray.exceptions
         try:
-            return self._ray.get(self._job.remote(spec, str(out_dir), mode, sides, store_root, scratch_only))
+            job = self._job
+            if self._gpus_per_run and getattr(spec, "PROCESSES", 1) > 1 and not scratch_only:  # a world-size cell
+                need = self._gpus_per_run * spec.PROCESSES  # TRL on PROCESSES GPUs at once
+                if need > self._cluster_gpus:  # Ray would wait for it forever
+                    raise ValueError(f"PROCESSES = {spec.PROCESSES}: this pair needs {need:g} GPUs at once, the Ray "
+                                     f"cluster has {self._cluster_gpus:g}")
+                job = job.options(num_gpus=need)
+            return self._ray.get(job.remote(spec, str(out_dir), mode, sides, store_root, scratch_only))
         except exc.RayTaskError as e:  # the run raised: the same error as in this process, with the worker's trace
             cause = getattr(e, "cause", None)
             if isinstance(cause, Exception):
