@@ -100,23 +100,33 @@ def test_jobs_same_verdicts_and_a_dead_worker_process_rerun_on_resume(tmp_path, 
     check(ref, killed, resumed, "WorkerDied: a worker process died")
 
 
-def test_a_scratch_run_shared_by_cells_is_made_once_on_a_backend(tmp_path, monkeypatch):
-    """Cells (and re-runs) whose scratch side is set up alike wait for one scratch run on a parallel backend: the
-    default matrix's first three cells share one, so one scratch run, one make_scratch call, three pairs."""
-    from harness.diagnose import backends, pairs
-    from harness.diagnose.matrix import run_matrix
-    from harness.experiment.spec import load_spec
+def counting_pool(calls: list):
+    """A parallel backend whose runs happen in this process, one at a time (torch's seeding is per process), and
+    are counted: the pool's logic (threads, scratch once, shared re-runs) without worker start-up."""
+    from harness.diagnose import backends
 
-    calls, one_at_a_time = [], threading.Lock()
+    one_at_a_time = threading.Lock()
 
-    class Counting(backends._Pool):  # the pool's logic; its runs in this process, one at a time (torch's seeding
-        slots = 3                    # is per process), counted
+    class Counting(backends._Pool):
+        slots = 3
 
         def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
             with one_at_a_time:
                 calls.append("scratch" if scratch_only else "pair")
                 return backends._pair_job(spec, str(out_dir), mode, sides, store_root, scratch_only)
 
+    return Counting
+
+
+def test_a_scratch_run_shared_by_cells_is_made_once_on_a_backend(tmp_path, monkeypatch):
+    """Cells (and re-runs) whose scratch side is set up alike wait for one scratch run on a parallel backend: the
+    default matrix's first three cells share one, so one scratch run, one make_scratch call, three pairs."""
+    from harness.diagnose import pairs
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
+
+    calls = []
+    Counting = counting_pool(calls)
     made = []
     real = pairs._scratch_side
 
@@ -133,6 +143,29 @@ def test_a_scratch_run_shared_by_cells_is_made_once_on_a_backend(tmp_path, monke
     assert calls.count("scratch") == 1, calls
     assert sum(made) == 1, made  # one scratch run trained; every other pair copied it from the store
     assert calls.count("pair") == 3 + 1  # three cells and one confirmation re-run (the other is reused)
+
+
+def test_the_several_causes_search_on_a_parallel_backend_names_the_same_causes(tmp_path, monkeypatch):
+    """The lesson's three mistakes at once: with room for 3 runs the search runs each pass's candidates and the
+    shares' re-runs together, and names the same causes, statuses and shares as one run after another."""
+    from conftest import ROOT
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
+
+    spec = load_spec(ROOT / "harness" / "specs" / "lesson-mistakes.toml", ["STEPS=6"])
+    one = run_matrix(spec, tmp_path / "one", "none", log=lambda *_: None)
+    calls = []
+    monkeypatch.setattr("harness.diagnose.matrix.make_backend", lambda *a, **k: counting_pool(calls)())
+    par = run_matrix(spec, tmp_path / "par", "none", log=lambda *_: None, jobs=3)
+
+    def causes(doc):
+        return [(d["cause"], d["status"], {k: round(v, 9) for k, v in d.get("share", {}).items()})
+                for d in doc["cells"][0]["attribution_detail"]]
+
+    assert [d[1] for d in causes(one)].count("confirmed") == 3, causes(one)
+    assert causes(par) == causes(one)
+    assert verdicts(par) == verdicts(one)
+    assert calls.count("scratch") == 1 and calls.count("pair") >= 1 + one["cells"][0]["attribution_detail"][0]["reruns"]
 
 
 def test_backend_flags_are_checked_before_any_model_loads(tmp_path, capsys):
