@@ -173,10 +173,16 @@ def check_backend(args) -> None:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise InputError("--backend ray needs Ray, which is not installed: pip install 'grpo-parity[ray]' "
-                             "(or pip install 'ray>=2.60,<3')") from None
+            raise InputError("--backend ray needs Ray, which is not installed: pip install -e '.[ray]' in this "
+                             "checkout (or pip install 'ray>=2.60,<3')") from None
     elif args.ray_address:
         raise InputError("--ray-address is for --backend ray: add --backend ray, or drop --ray-address")
+    elif args.jobs > 1 and getattr(args, "processes", 1) > 1:
+        import torch
+
+        if torch.cuda.is_available():
+            raise InputError("--jobs with --processes on GPUs: each worker sees one GPU, and a world-size pair needs "
+                             "PROCESSES GPUs at once; drop --jobs, or use --backend ray (docs/scaling.md)")
 
 
 def read_resume(folder: str):
@@ -466,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add the world-size cells: TRL on N processes (accumulation / N) against the one-process "
                          "scratch loop, for each loss type")
     pa.add_argument("--jobs", type=int, default=1, metavar="K",
-                    help="run K independent cells at once, one GPU each where there are GPUs (default 1)")
+                    help="run K pairs of runs at once in worker processes, one GPU each where there are GPUs (default "
+                         "1: one after another in this process)")
     pa.add_argument("--backend", choices=("local", "ray"), default="local",
                     help="where the runs happen: this machine (default; --jobs sets how many at once) or a Ray "
                          "cluster, one GPU per run (docs/scaling.md)")
@@ -541,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # exceptions that mean the input is wrong (exit 2), by class name: their modules need not be imported to match
 BAD_INPUT = ("SpecError", "InputError", "CompareInputError", "DataError", "ModelSourceError", "RewardError",
-             "RecordError")
+             "RecordError", "BackendError")
 DEBUG_HINT = "`--debug` shows the traceback"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -97,12 +98,13 @@ def test_ray_local_cluster_same_verdicts_and_a_dead_worker_rerun_on_resume(tmp_p
 
 def test_jobs_same_verdicts_and_a_dead_worker_process_rerun_on_resume(tmp_path, dying_spec):
     ref, killed, resumed = run_with_a_death(tmp_path, dying_spec, ["--jobs", "2"])
-    check(ref, killed, resumed, "WorkerDied: a worker process died")
+    check(ref, killed, resumed, "WorkerDied: the worker process running this pair died")
 
 
-def counting_pool(calls: list):
+def counting_pool(calls: list, die_at: str | None = None):
     """A parallel backend whose runs happen in this process, one at a time (torch's seeding is per process), and
-    are counted: the pool's logic (threads, scratch once, shared re-runs) without worker start-up."""
+    are counted: the pool's logic (threads, scratch once, shared re-runs) without worker start-up. `die_at`: the
+    first pair into a folder of that name fails as a dead worker's would."""
     from harness.diagnose import backends
 
     one_at_a_time = threading.Lock()
@@ -110,10 +112,15 @@ def counting_pool(calls: list):
     class Counting(backends._Pool):
         slots = 3
 
-        def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
+        def _run(self, fn, spec, *args):
             with one_at_a_time:
-                calls.append("scratch" if scratch_only else "pair")
-                return backends._pair_job(spec, str(out_dir), mode, sides, store_root, scratch_only)
+                calls.append("scratch" if fn is backends._scratch_job else "pair")
+                if die_at and fn is backends._pair_job and Path(args[1]).name.startswith(die_at) and \
+                        "died" not in calls:
+                    calls.append("died")
+                    raise backends.WorkerDied("the worker process running this pair died (simulated); --resume "
+                                              "runs it again")
+                return fn(*args)
 
     return Counting
 
@@ -166,6 +173,54 @@ def test_the_several_causes_search_on_a_parallel_backend_names_the_same_causes(t
     assert causes(par) == causes(one)
     assert verdicts(par) == verdicts(one)
     assert calls.count("scratch") == 1 and calls.count("pair") >= 1 + one["cells"][0]["attribution_detail"][0]["reruns"]
+
+
+def test_a_worker_that_dies_in_a_confirmation_rerun_fails_its_cell_and_resume_runs_it(tmp_path, monkeypatch):
+    """A dead worker is not a re-run's answer: the cell is failed (not diverged with a wrong cause, which --resume
+    would keep), the cells it did not touch are right, and --resume gives the uninterrupted verdicts."""
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
+
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=2"])
+    only = ["matched", "batch=naive"]
+    ref = run_matrix(spec, tmp_path / "ref", "default", log=lambda *_: None, only=only)
+    calls = []
+    monkeypatch.setattr("harness.diagnose.matrix.make_backend", lambda *a, **k: counting_pool(calls, "aligned-")())
+    killed = run_matrix(spec, tmp_path / "m", "default", log=lambda *_: None, only=only, jobs=3)
+    assert "died" in calls
+    by = {c["name"]: c for c in killed["cells"]}
+    assert by["batch=naive"]["verdict"] == "failed" and "WorkerDied" in by["batch=naive"]["error"], verdicts(killed)
+    assert by["matched"]["verdict"] == "parity" and by["matched"]["ok"]
+    assert not killed["ok"]
+    resumed = run_matrix(spec, tmp_path / "m", "default", log=lambda *_: None, only=only, jobs=3, resume=True)
+    assert resumed["ok"] and verdicts(resumed) == verdicts(ref)
+
+
+def test_a_stop_request_cancels_the_runs_on_workers_and_leaves_a_resumable_folder(tmp_path):
+    """SIGTERM to the driver (Slurm's, say) stops the workers' runs, not only the driver: the matrix ends within
+    seconds with `complete: false`, and no worker process is left."""
+    import multiprocessing
+    import time
+
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
+    from harness.runlog.stops import STOP, Interrupted
+
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=400"])  # a scratch run of about a minute here: the stop lands inside it
+    timer = threading.Timer(6.0, lambda: setattr(STOP, "requested", "SIGTERM"))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(Interrupted):
+            run_matrix(spec, tmp_path / "m", "default", log=lambda *_: None, only=CELLS.split(","), jobs=2)
+        stopped = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        STOP.requested = None
+    assert stopped < 6.0 + 10, stopped  # the workers' runs were killed, not waited for
+    doc = json.loads((tmp_path / "m" / "verdict.json").read_text())
+    assert doc["complete"] is False and doc["ok"] is False
+    assert not multiprocessing.active_children()
 
 
 def test_backend_flags_are_checked_before_any_model_loads(tmp_path, capsys):

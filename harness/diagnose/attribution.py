@@ -16,6 +16,7 @@ import json
 import threading
 from pathlib import Path
 
+from harness.diagnose.backends import WorkerDied
 from harness.diagnose.preflight import CHECK_ORDER, alignment_for, apply_alignment, fix_for, preflight
 
 _SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
@@ -130,6 +131,7 @@ _LOCK = threading.Lock()
 def reset_cache() -> None:
     """Forget earlier re-runs (a new matrix: the code or the folders may have changed since)."""
     _RERUNS.clear()
+    _INFLIGHT.clear()
 
 
 class CauseSearch:
@@ -174,19 +176,26 @@ class CauseSearch:
             if out is None:
                 self.errors.append("the same re-run failed in another cell of this matrix")
         else:
-            self.log(f"    re-run {n} (at most {2 * len(self.checks) + 1}): {', '.join(sorted(aligned))} aligned")
             out = None
             try:
+                bound = f" (at most {2 * len(self.checks) + 1})" if self.backend.slots <= 1 else ""  # prefetch: more
+                self.log(f"    re-run {n}{bound}: {', '.join(sorted(aligned))} aligned")
                 out = self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
                                             store=self.store)
+            except WorkerDied as e:  # not a result: the cell fails and --resume runs it again
+                fut.set_exception(e)
+                raise
             except Exception as e:  # a failing re-run must not sink the cell
                 self.errors.append(f"{type(e).__name__}: {e}")
+            except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits for this re-run stops too
+                fut.set_exception(e)
+                raise
             finally:
                 with _LOCK:
                     if out is not None:
                         _RERUNS[key] = out
                     _INFLIGHT.pop(key, None)
-                fut.set_result(out)
+            fut.set_result(out)
         self.results[aligned] = out
         return out
 

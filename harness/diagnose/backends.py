@@ -8,38 +8,58 @@ scratch run's recording before TRL can start, so cells whose scratch side is set
 (`pairs.make_scratch`, made once per `scratch_key`) and then copy it from the matrix's store: no scratch run is made
 twice, however many cells share it.
 
-A worker that dies (killed, out of memory, a node lost) fails only the pair it ran, as `WorkerDied`: its cell is
-reported failed and `--resume` runs it again. The run folder must be one that every worker sees (a shared
-filesystem on a cluster); a worker that does not see it says so instead of writing elsewhere.
+A worker that dies (killed, out of memory, a node lost) fails only the pair it ran, as `WorkerDied`, and with it
+that pair's cell (a re-run included: attribution passes WorkerDied on, never reads it as a result); `--resume`
+runs the cell again. Ctrl-C / SIGTERM to the driver cancels the runs on the workers. The run folder must be one
+that every worker sees (a shared filesystem on a cluster); a worker that does not see it says so instead of
+writing elsewhere.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import queue
 import socket
 import threading
 from pathlib import Path
 
 from harness.diagnose import pairs
+from harness.runlog.stops import STOP, Interrupted
 
 BACKENDS = ("local", "ray")
+POLL_S = 0.5  # how often a waiting driver thread looks for Ctrl-C / SIGTERM
+# what a Ray worker needs from the driver's environment (offline hub, the model cache, TRL's switches)
+FORWARDED_ENV = ("HF_", "TRL_", "GRPO_PARITY_", "TRANSFORMERS_", "TOKENIZERS_")
 
 
 class WorkerDied(RuntimeError):
-    """The process (or node) running a pair went away before it finished."""
+    """The process (or node) running a pair went away before it finished: its cell fails, --resume re-runs it."""
 
 
-def _pair_job(spec, out_dir: str, mode: str, sides: tuple, store_root: str | None, scratch_only: bool = False):
-    """What a worker runs: one pair (or one scratch run), into a folder the driver made."""
-    out_dir = Path(out_dir)
+class BackendError(ValueError):
+    """A backend that cannot start or cannot hold a run (bad --ray-address, too few GPUs on a node): bad input."""
+
+
+def _check_folder(out_dir: Path) -> None:
     if not out_dir.parent.is_dir():  # a worker on another machine, without the shared filesystem
         raise RuntimeError(f"worker on {socket.gethostname()}: the run folder {out_dir.parent} is not there; --out "
                            "must be on a filesystem every worker mounts (docs/scaling.md)")
+
+
+def _pair_job(spec, out_dir: str, mode: str, sides: tuple, store_root: str | None):
+    """What a worker runs for a pair: `pairs.run_pair` into a folder the driver made."""
+    out_dir = Path(out_dir)
+    _check_folder(out_dir)
     store = pairs.ScratchStore(Path(store_root)) if store_root else None
-    if scratch_only:
-        return pairs.make_scratch(spec, out_dir, store=store)
     return pairs.run_pair(spec, out_dir, mode, False, sides=sides, store=store)
+
+
+def _scratch_job(spec, out_dir: str, store_root: str) -> None:
+    """What a worker runs for a shared scratch run: `pairs.make_scratch` into the folder and the store."""
+    out_dir = Path(out_dir)
+    _check_folder(out_dir)
+    pairs.make_scratch(spec, out_dir, store=pairs.ScratchStore(Path(store_root)))
 
 
 class InProcess:
@@ -50,14 +70,19 @@ class InProcess:
 
     def run_pair(self, spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
                  sides: tuple = ("scratch", "trl"), store=None) -> dict:
+        """`pairs.run_pair`, here."""
         return pairs.run_pair(spec, out_dir, mode, progress, sides=sides, store=store)
+
+    def check(self, specs) -> None:
+        pass
 
     def close(self) -> None:
         pass
 
 
 class _Pool:
-    """Runs pairs elsewhere and waits for them; a lockstep scratch run shared by several cells is made once."""
+    """Runs pairs elsewhere and waits for them, watching for Ctrl-C / SIGTERM; a lockstep scratch run shared by
+    several cells is made once. Subclasses say how one job runs (`_submit`, `_wait`, `_cancel`)."""
 
     slots = 1
     name = "pool"
@@ -66,22 +91,17 @@ class _Pool:
         self._lock = threading.Lock()
         self._scratch: dict[str, concurrent.futures.Future] = {}
 
-    def _run(self, spec, out_dir: Path, mode: str, sides: tuple, store_root: str | None, scratch_only: bool):
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
     def run_pair(self, spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
                  sides: tuple = ("scratch", "trl"), store=None) -> dict:
-        out_dir = Path(out_dir)
+        """`pairs.run_pair` on a worker, after the scratch run it shares with other cells (made once)."""
+        out_dir = Path(out_dir).resolve()  # a worker's working directory is not the driver's
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        root = str(store.root) if store is not None else None
+        root = str(Path(store.root).resolve()) if store is not None else None
         if store is not None and mode == "lockstep" and not store.has(spec):
-            self._scratch_once(spec, out_dir, store)
-        return self._run(spec, out_dir, mode, tuple(sides), root, False)
+            self._scratch_once(spec, out_dir, store, root)
+        return self._run(_pair_job, spec, spec, str(out_dir), mode, tuple(sides), root)
 
-    def _scratch_once(self, spec, out_dir: Path, store) -> None:
+    def _scratch_once(self, spec, out_dir: Path, store, root: str) -> None:
         """The first caller of a scratch key makes it (into its own folder and the store); the others wait for it
         and share its outcome, an error included."""
         key = store.entry(spec).name
@@ -91,10 +111,10 @@ class _Pool:
             if mine:
                 fut = self._scratch[key] = concurrent.futures.Future()
         if not mine:
-            fut.result()
+            self._wait_future(fut)
             return
         try:
-            self._run(spec, out_dir, "lockstep", ("scratch",), str(store.root), True)
+            self._run(_scratch_job, spec, spec, str(out_dir), root)
         except BaseException as e:
             fut.set_exception(e)
             with self._lock:  # a later call (another matrix, a resume) may try again
@@ -102,22 +122,69 @@ class _Pool:
             raise
         fut.set_result(None)
 
+    @staticmethod
+    def _wait_future(fut: concurrent.futures.Future):
+        while True:
+            try:
+                return fut.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                if STOP.requested:
+                    raise Interrupted(f"{STOP.requested} while waiting for a shared scratch run") from None
 
-def _claim_gpu(gpus, threads: int) -> None:
-    """Worker start-up (--jobs): take one GPU for this worker's lifetime, before torch sees any, and this worker's
-    share of the CPU cores (K workers of the default thread count each would oversubscribe them: on 2 cores, 2
-    workers of 2 threads ran the default matrix 3x slower than one process)."""
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus.get())
+    def _run(self, fn, spec, *args):
+        """Run fn(*args) on a worker and return its result; Interrupted (the job cancelled) on Ctrl-C / SIGTERM."""
+        if STOP.requested:
+            raise Interrupted(f"{STOP.requested}: no new runs")
+        job = self._submit(fn, spec, *args)
+        while True:
+            done, result = self._wait(job, POLL_S)
+            if done:
+                return result
+            if STOP.requested:
+                self._cancel(job)
+                raise Interrupted(f"{STOP.requested} while a run was on a worker (cancelled)")
+
+    def _submit(self, fn, spec, *args):
+        raise NotImplementedError
+
+    def _wait(self, job, timeout: float) -> tuple[bool, object]:
+        raise NotImplementedError
+
+    def _cancel(self, job) -> None:
+        raise NotImplementedError
+
+    def check(self, specs) -> None:
+        """Refuse, before any run, a spec this backend cannot hold (BackendError)."""
+
+    def close(self) -> None:
+        pass
+
+
+def _worker_start(gpu: str | None, threads: int) -> None:
+    """Worker start-up (--jobs): its GPU, before torch sees any, and its share of the CPU cores (K workers of the
+    default thread count each would oversubscribe them: on 2 cores, 2 workers of 2 threads ran the default matrix
+    3x slower than one process)."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     import torch
 
     torch.set_num_threads(threads)
 
 
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (a Slurm allocation's, say), else 0..n-1."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return inherited[:torch.cuda.device_count()] or [str(g) for g in range(torch.cuda.device_count())]
+
+
 class Processes(_Pool):
     """`--jobs K`: K spawned worker processes on this machine, one GPU each where there are GPUs (then at most one
-    worker per GPU). A worker that dies breaks the pool: the pairs it held fail as WorkerDied and a new pool
-    serves the rest."""
+    per GPU). Each worker is a pool of its own that runs one job at a time, so a worker that dies fails only the
+    job it was running (WorkerDied); a fresh worker takes its place."""
 
     name = "processes"
 
@@ -125,51 +192,82 @@ class Processes(_Pool):
         super().__init__()
         import multiprocessing
 
-        import torch
-
         self._ctx = multiprocessing.get_context("spawn")  # fresh workers: CUDA_VISIBLE_DEVICES is read at start
-        self._gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self.slots = min(jobs, self._gpus) if self._gpus else jobs
-        self._manager = self._ctx.Manager() if self._gpus else None
-        self._ex = self._new_pool()
-        log(f"backend: {self.slots} worker processes" + (" (one GPU each)" if self._gpus else ""))
+        gpus = _visible_gpus()
+        self.slots = min(jobs, len(gpus)) if gpus else jobs
+        self._threads = max(1, (os.cpu_count() or 1) // self.slots)
+        self._free: queue.Queue = queue.Queue()
+        self._all = []
+        for i in range(self.slots):
+            self._free.put(self._new_worker(gpus[i] if gpus else None))
+        log(f"backend: {self.slots} worker processes" + (f" (GPUs {', '.join(gpus[:self.slots])})" if gpus else
+                                                          f" ({self._threads} torch threads each)"))
 
-    def _new_pool(self):
+    def _new_worker(self, gpu: str | None):
         from concurrent.futures import ProcessPoolExecutor
 
-        gpus = None
-        if self._manager is not None:  # every GPU id again: a broken pool's workers are gone with the ids they took
-            gpus = self._manager.Queue()
-            for g in range(self._gpus):
-                gpus.put(g)
-        threads = max(1, (os.cpu_count() or 1) // self.slots)
-        return ProcessPoolExecutor(max_workers=self.slots, mp_context=self._ctx, initializer=_claim_gpu,
-                                   initargs=(gpus, threads))
+        ex = ProcessPoolExecutor(max_workers=1, mp_context=self._ctx, initializer=_worker_start,
+                                 initargs=(gpu, self._threads))
+        worker = (ex, gpu)
+        self._all.append(worker)
+        return worker
 
-    def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
+    def _submit(self, fn, spec, *args):
+        while True:  # one job per worker at a time: a death takes only that job down
+            try:
+                worker = self._free.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if STOP.requested:
+                    raise Interrupted(f"{STOP.requested}: no new runs") from None
+        return worker, worker[0].submit(fn, *args)
+
+    def _wait(self, job, timeout):
         from concurrent.futures.process import BrokenProcessPool
 
-        with self._lock:
-            ex = self._ex
+        worker, fut = job
         try:
-            return ex.submit(_pair_job, spec, str(out_dir), mode, sides, store_root, scratch_only).result()
+            result = fut.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return False, None
         except BrokenProcessPool as e:
-            with self._lock:
-                if self._ex is ex:
-                    ex.shutdown(wait=False, cancel_futures=True)
-                    self._ex = self._new_pool()
-            raise WorkerDied(f"a worker process died while this pair ran ({e}); --resume runs it again") from None
+            self._replace(worker)
+            raise WorkerDied(f"the worker process running this pair died ({e}); --resume runs it again") from None
+        except BaseException:
+            self._free.put(worker)
+            raise
+        self._free.put(worker)
+        return True, result
+
+    def _replace(self, worker) -> None:
+        worker[0].shutdown(wait=False, cancel_futures=True)
+        self._free.put(self._new_worker(worker[1]))
+
+    def _cancel(self, job) -> None:
+        worker, _fut = job
+        # the run inside: stop it now (the executor has no public way; _processes is its pid -> Process map)
+        procs = list((getattr(worker[0], "_processes", None) or {}).values())
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.join(timeout=10)
+        self._replace(worker)
+
+    def check(self, specs) -> None:
+        if _visible_gpus() and any(getattr(s, "PROCESSES", 1) > 1 for s in specs):
+            raise BackendError("--jobs with --processes on GPUs: each worker sees one GPU, and a world-size pair needs "
+                               "PROCESSES GPUs at once; drop --jobs, or use --backend ray (docs/scaling.md)")
 
     def close(self) -> None:
-        self._ex.shutdown(wait=True, cancel_futures=True)
-        if self._manager is not None:
-            self._manager.shutdown()
+        for ex, _gpu in self._all:
+            ex.shutdown(wait=True, cancel_futures=True)
 
 
 class RayCluster(_Pool):
-    """`--backend ray`: each pair a Ray task with `gpus_per_run` GPUs (default: 1 where the cluster has GPUs, else
-    none) and `cpus_per_run` CPUs. `address`: a running cluster ("auto", "ray://head:10001"; default: RAY_ADDRESS,
-    else a local cluster started for this run)."""
+    """`--backend ray`: each pair a Ray task with `gpus_per_run` GPUs (1 where the cluster has GPUs, else none;
+    PROCESSES for a world-size pair) and `cpus_per_run` CPUs. `address`: a running cluster ("auto",
+    "HEAD:6379", "ray://HEAD:10001"; default: RAY_ADDRESS, else a local cluster started for this run). The
+    driver's HF_*, TRL_*, TRANSFORMERS_*, TOKENIZERS_* and GRPO_PARITY_* variables go to the workers."""
 
     name = "ray"
 
@@ -179,52 +277,92 @@ class RayCluster(_Pool):
         try:
             import ray
         except ImportError:
-            raise ValueError("--backend ray needs Ray: pip install 'grpo-parity[ray]' (or pip install 'ray>=2.60,<3')") \
-                from None
+            raise BackendError("--backend ray needs Ray, which is not installed: pip install -e '.[ray]' in this "
+                               "checkout (or pip install 'ray>=2.60,<3')") from None
         self._ray = ray
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         runtime_env={"env_vars": env})
+            except Exception as e:  # no cluster there, a version mismatch, ...
+                raise BackendError(f"--backend ray: cannot reach or start a Ray cluster at "
+                                   f"{address or os.environ.get('RAY_ADDRESS') or '(a new local one)'} "
+                                   f"({type(e).__name__}: {str(e).strip()[:300]}); check --ray-address / RAY_ADDRESS "
+                                   "and `ray status` on the head node") from None
         res = ray.cluster_resources()
         gpus, cpus = res.get("GPU", 0), res.get("CPU", 1)
-        g = (1 if gpus else 0) if gpus_per_run is None else gpus_per_run
-        if g > gpus:
-            raise ValueError(f"--backend ray: each run asks for {g} GPU(s) but the cluster has {gpus:g}")
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        self._node_gpus = max([n.get("GPU", 0) for n in nodes] or [gpus])  # a task runs on one node
+        self._gpus_per_run = (1 if gpus else 0) if gpus_per_run is None else gpus_per_run
+        if self._gpus_per_run > self._node_gpus:
+            raise BackendError(f"--backend ray: each run asks for {self._gpus_per_run:g} GPU(s) but no node of the "
+                               f"cluster has more than {self._node_gpus:g}")
+        g = self._gpus_per_run
         self.slots = max(1, int(gpus // g) if g else int(cpus // cpus_per_run))
-        self._gpus_per_run, self._cluster_gpus = g, gpus
-        self._job = ray.remote(_pair_job).options(num_gpus=g, num_cpus=cpus_per_run, max_retries=0)
+        self._task = ray.remote(_pair_job).options(num_gpus=g, num_cpus=cpus_per_run, max_retries=0)
+        self._scratch_task = ray.remote(_scratch_job).options(num_gpus=g, num_cpus=cpus_per_run, max_retries=0)
         log(f"backend: Ray cluster with {cpus:g} CPUs and {gpus:g} GPUs; each run takes {g:g} GPU and "
             f"{cpus_per_run:g} CPU, so {self.slots} run at once")
 
-    def _run(self, spec, out_dir, mode, sides, store_root, scratch_only):
-        exc = self._ray.exceptions
+    def _gpus_for(self, spec) -> float:
+        """A world-size pair (PROCESSES > 1) runs TRL on PROCESSES GPUs at once, on one node."""
+        return self._gpus_per_run * max(1, getattr(spec, "PROCESSES", 1))
+
+    def check(self, specs) -> None:
+        for spec in specs:
+            if self._gpus_for(spec) > self._node_gpus:
+                raise BackendError(f"PROCESSES = {spec.PROCESSES}: a world-size pair needs {self._gpus_for(spec):g} "
+                                   f"GPUs on one node, and no node of the Ray cluster has more than "
+                                   f"{self._node_gpus:g}: drop --processes, or add a node with that many GPUs")
+
+    def _submit(self, fn, spec, *args):
+        task = self._task if fn is _pair_job else self._scratch_task
+        if fn is _pair_job and self._gpus_per_run and getattr(spec, "PROCESSES", 1) > 1:
+            task = task.options(num_gpus=self._gpus_for(spec))
+        return task.remote(*args)
+
+    def _wait(self, job, timeout):
+        ready, _ = self._ray.wait([job], timeout=timeout)
+        if not ready:
+            return False, None
         try:
-            job = self._job
-            if self._gpus_per_run and getattr(spec, "PROCESSES", 1) > 1 and not scratch_only:  # a world-size cell
-                need = self._gpus_per_run * spec.PROCESSES  # TRL on PROCESSES GPUs at once
-                if need > self._cluster_gpus:  # Ray would wait for it forever
-                    raise ValueError(f"PROCESSES = {spec.PROCESSES}: this pair needs {need:g} GPUs at once, the Ray "
-                                     f"cluster has {self._cluster_gpus:g}")
-                job = job.options(num_gpus=need)
-            return self._ray.get(job.remote(spec, str(out_dir), mode, sides, store_root, scratch_only))
-        except exc.RayTaskError as e:  # the run raised: the same error as in this process, with the worker's trace
+            return True, self._ray.get(job)
+        except self._ray.exceptions.RayTaskError as e:  # the run raised: that error, with the worker's trace
             cause = getattr(e, "cause", None)
             if isinstance(cause, Exception):
                 cause.add_note(f"(in a Ray worker)\n{str(e)[-3000:]}")
                 raise cause from None
             raise
-        except exc.RayError as e:  # the worker or its node went away (killed, out of memory, lost)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise WorkerDied(f"the Ray worker running this pair died ({type(e).__name__}: {first}); --resume runs it "
-                             "again") from None
+        except self._ray.exceptions.RayError as e:
+            raise _ray_error(self._ray.exceptions, e) from None
 
-    def close(self) -> None:
-        pass  # a cluster this run started goes with the process; a running one stays up for the next
+    def _cancel(self, job) -> None:
+        try:
+            self._ray.cancel(job, force=True)
+        except Exception:  # already finished or gone
+            pass
+
+
+def _ray_error(exc, e: Exception) -> Exception:
+    """A Ray failure as the harness says it: WorkerDied where the worker or its node went away (--resume re-runs
+    the cell), else a RuntimeError with Ray's own words (a runtime environment that could not be set up, ...)."""
+    text = " ".join(str(e).split())
+    died = tuple(getattr(exc, n) for n in ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
+                                           "ObjectLostError", "LocalRayletDiedError") if hasattr(exc, n))
+    if isinstance(e, died):
+        return WorkerDied(f"the Ray worker running this pair died ({type(e).__name__}: {text[:600]}); --resume runs "
+                          "it again")
+    return RuntimeError(f"Ray could not run this pair ({type(e).__name__}: {text[:1200]})")
 
 
 def make_backend(backend: str = "local", jobs: int = 1, address: str | None = None, log=print):
     """The backend for a matrix: InProcess, Processes(jobs) or RayCluster(address)."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
+        raise BackendError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
     if backend == "ray":
         return RayCluster(address, log=log)
+    if jobs > 1 and len(_visible_gpus()) == 1:
+        log(f"--jobs {jobs}: one GPU here, so one run at a time, in this process")
+        return InProcess()
     return Processes(jobs, log=log) if jobs > 1 else InProcess()

@@ -230,23 +230,25 @@ def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "
         _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, ordered, t_start, processes, only,
                                                            total=len(cells)))
 
-    # On record from the start: a kill before the first cell ends leaves `complete: false` (resumable), never an
-    # earlier run's verdict beside cell folders this run is overwriting; that run's report and summary go with it.
-    for stale in ("report.html", "summary.txt"):
-        (out_dir / stale).unlink(missing_ok=True)
-    _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, [results[c.name] for c in cells
-                                                                            if c.name in results],
-                                                       t_start, processes, only, total=len(cells)))
-    if started is not None:
-        started()
     pending = []
     for i, cell in enumerate(cells, 1):
         if cell.name in done:
             log(f"[cell {i}/{len(cells)}] {cell.name}: finished earlier, kept")
         else:
             pending.append(cell)
+    # the backend first: one that cannot start, or cannot hold a cell, is refused before anything is written
     runner = make_backend(backend, jobs, address, log) if pending else InProcess()
     try:
+        runner.check([c.spec for c in pending])
+        # On record from the start: a kill before the first cell ends leaves `complete: false` (resumable), never
+        # an earlier run's verdict beside cell folders this run is overwriting; that run's report and summary go.
+        for stale in ("report.html", "summary.txt"):
+            (out_dir / stale).unlink(missing_ok=True)
+        _write_json(out_dir / "verdict.json", _verdict_doc(base, matrix, mode, [results[c.name] for c in cells
+                                                                                if c.name in results],
+                                                           t_start, processes, only, total=len(cells)))
+        if started is not None:
+            started()
         if runner.slots <= 1:
             for n, cell in enumerate(pending, 1):
                 elapsed = time.perf_counter() - t_start
@@ -275,13 +277,16 @@ def _run_cells_in_threads(pending, out_dir: Path, mode: str, log, store, runner,
         return run_cell(cell, out_dir / _dirname(cell.name), mode, False,
                         lambda msg, name=cell.name: log(f"  [{name}] {str(msg).strip()}"), store, runner)
 
-    with ThreadPoolExecutor(max_workers=min(len(pending), 64)) as ex:
+    ex = ThreadPoolExecutor(max_workers=min(len(pending), 64))
+    try:
         futures = {ex.submit(one, cell): cell for cell in pending}
         for n, fut in enumerate(as_completed(futures), 1):
-            v = fut.result()  # run_cell never raises: a failed run is in its verdict
+            v = fut.result()  # run_cell never raises for a failed run; Ctrl-C / SIGTERM (Interrupted) it passes on
             elapsed, left = time.perf_counter() - t_start, len(pending) - n
             log(f"[cell {done + n}/{total} done] {v['name']}" + (f" (eta {elapsed / n * left:.0f} s)" if left else ""))
             finished(v)
+    finally:  # on an interruption the cells not started never start; the others stop at their next wait
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def _number(x) -> bool:

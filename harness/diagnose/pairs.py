@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from harness.diagnose import noise
@@ -99,7 +100,8 @@ class ScratchStore:
         dst = self.entry(spec)
         if (dst / noise.NOISE_FILE).exists() or ((dst / "scratch").is_dir() and not (out_dir / noise.NOISE_FILE).exists()):
             return
-        tmp = self.root / f".{dst.name}.{os.getpid()}.tmp"
+        me = f"{socket.gethostname()}.{os.getpid()}"  # unique across the nodes of a cluster
+        tmp = self.root / f".{dst.name}.{me}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -107,7 +109,7 @@ class ScratchStore:
         for name in (ROLLOUTS_FILE, noise.NOISE_FILE):
             if (out_dir / name).exists():
                 shutil.copy2(out_dir / name, tmp / name)
-        old = dst.with_name(f".{dst.name}.{os.getpid()}.old")
+        old = dst.with_name(f".{dst.name}.{me}.old")
         if dst.exists():
             dst.rename(old)
         try:
