@@ -149,7 +149,9 @@ def test_a_scratch_run_shared_by_cells_is_made_once_on_a_backend(tmp_path, monke
     assert doc["ok"], verdicts(doc)
     assert calls.count("scratch") == 1, calls
     assert sum(made) == 1, made  # one scratch run trained; every other pair copied it from the store
-    assert calls.count("pair") == 3 + 1  # three cells and one confirmation re-run (the other is reused)
+    # three cells, and the two confirmations both resolve to the matched cell's spec: reused from it, or made
+    # once when they start before the matched cell's pair ends (the threads' order decides)
+    assert calls.count("pair") in (3, 4), calls
 
 
 def test_the_several_causes_search_on_a_parallel_backend_names_the_same_causes(tmp_path, monkeypatch):
@@ -182,14 +184,15 @@ def test_a_worker_that_dies_in_a_confirmation_rerun_fails_its_cell_and_resume_ru
     from harness.experiment.spec import load_spec
 
     spec = load_spec(DEFAULT_SPEC, ["STEPS=2"])
-    only = ["matched", "batch=naive"]
+    only = ["matched", "is=sequence_mask"]  # its confirmation is a spec no cell has
     ref = run_matrix(spec, tmp_path / "ref", "default", log=lambda *_: None, only=only)
     calls = []
     monkeypatch.setattr("harness.diagnose.matrix.make_backend", lambda *a, **k: counting_pool(calls, "aligned-")())
     killed = run_matrix(spec, tmp_path / "m", "default", log=lambda *_: None, only=only, jobs=3)
     assert "died" in calls
     by = {c["name"]: c for c in killed["cells"]}
-    assert by["batch=naive"]["verdict"] == "failed" and "WorkerDied" in by["batch=naive"]["error"], verdicts(killed)
+    cell = by["is=sequence_mask"]
+    assert cell["verdict"] == "failed" and "WorkerDied" in cell["error"], verdicts(killed)
     assert by["matched"]["verdict"] == "parity" and by["matched"]["ok"]
     assert not killed["ok"]
     resumed = run_matrix(spec, tmp_path / "m", "default", log=lambda *_: None, only=only, jobs=3, resume=True)

@@ -7,6 +7,7 @@ import inspect
 import re
 from pathlib import Path
 
+from conftest import DEFAULT_SPEC
 from harness.diagnose.matrix import build_cells, run_matrix
 from harness.diagnose.pairs import SCRATCH_BLIND, SCRATCH_CODE, SHARED_DIR, scratch_key
 from harness.experiment.spec import Spec, load_spec
@@ -63,3 +64,24 @@ def test_cells_share_one_scratch_run_and_resume_reuses_it(tmp_path):
     assert (out / "loss_type-dapo").is_dir()
     same = (out / "matched" / "scratch" / "metrics.jsonl").read_text()
     assert (out / "loss_type-dapo" / "scratch" / "metrics.jsonl").read_text() == same
+
+
+def test_a_rerun_that_resolves_to_a_cells_own_spec_reuses_that_cells_pair(tmp_path, monkeypatch):
+    """batch=naive with its batch mapping aligned is the matched cell's spec: its confirmation takes the matched
+    cell's pair instead of running the same pair again (still confirmed, counted as reused)."""
+    from harness.diagnose import pairs
+
+    made = []
+    real = pairs.run_pair
+
+    def counted(spec, out_dir, *args, **kwargs):
+        made.append(Path(out_dir).name)
+        return real(spec, out_dir, *args, **kwargs)
+
+    monkeypatch.setattr(pairs, "run_pair", counted)
+    doc = run_matrix(load_spec(DEFAULT_SPEC, ["STEPS=2"]), tmp_path, "default", log=lambda *_: None,
+                     only=["matched", "batch=naive"])
+    assert doc["ok"]
+    assert made == ["matched", "batch-naive"]  # no aligned-batch pair
+    detail = {c["name"]: c for c in doc["cells"]}["batch=naive"]["attribution_detail"][0]
+    assert detail["status"] == "confirmed" and (detail["reruns"], detail["reused"]) == (0, 1)

@@ -4,7 +4,8 @@ The preflight lists what differs between the sides, labelled by the lesson's che
 importance_sampling) or `other:<field>`. One difference: a re-run with it aligned confirms it when the
 divergence disappears. Several at once (the normal case when a loop is ported): `CauseSearch` aligns all of
 them, then finds by delta debugging which are each needed for parity, and gives each confirmed cause its share
-of the gap. Re-runs are cached by the resolved spec within a matrix (`reset_cache` at its start). A difference
+of the gap. Re-runs are cached by the resolved spec within a matrix (`reset_cache` at its start), and a cell's own
+pair serves a re-run that resolves to its spec (`remember`). A difference
 that the runs show no effect of says why when the harness can tell (`NO_EFFECT_WHY`). A user's own loop goes to
 `explain` instead (the preflight cannot see inside it).
 """
@@ -128,6 +129,18 @@ _INFLIGHT: dict[str, concurrent.futures.Future] = {}  # re-runs being made now (
 _LOCK = threading.Lock()
 
 
+def _run_key(spec, mode: str) -> str:
+    """A pair's identity: its resolved spec (scratch against TRL) and the mode."""
+    return json.dumps([spec.to_dict(), mode], sort_keys=True, default=str)
+
+
+def remember(spec, mode: str, result: dict) -> None:
+    """A cell's own scratch-against-TRL pair, for the re-runs that resolve to its spec (a toggle aligned on another
+    cell often gives the matched cell's spec): made once, not again."""
+    with _LOCK:
+        _RERUNS.setdefault(_run_key(spec, mode), result)
+
+
 def reset_cache() -> None:
     """Forget earlier re-runs (a new matrix: the code or the folders may have changed since)."""
     _RERUNS.clear()
@@ -159,7 +172,7 @@ class CauseSearch:
             align["drop_trl"] += [k for k in part["drop_trl"] if k not in align["drop_trl"]]
             align["set_trl"].update(part.get("set_trl", {}))
         spec = apply_alignment(self.spec, align)
-        key = json.dumps([spec.to_dict(), self.mode], sort_keys=True, default=str)
+        key = _run_key(spec, self.mode)
         name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))
         with _LOCK:
             known, fut = _RERUNS.get(key), _INFLIGHT.get(key)

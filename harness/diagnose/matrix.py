@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.diagnose.attribution import attribute, reset_cache
+from harness.diagnose.attribution import attribute, remember, reset_cache
 from harness.diagnose.backends import InProcess, make_backend
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
@@ -150,6 +150,8 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
          "expected_cause": cell.expected_cause}
     try:
         result = backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
+        if tuple(cell.sides) == ("scratch", "trl"):
+            remember(cell.spec, mode, result)
         v["sides"] = list(cell.sides)
         v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
         v["first_divergence"] = result["first_divergence"]
