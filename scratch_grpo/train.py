@@ -18,7 +18,6 @@ import copy
 import math
 import random
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from harness.experiment.data import encode_prompts
 from harness.experiment.models import autocast_for
-from harness.experiment.rewards import check_rewards, reward_functions
+from harness.experiment.rewards import call_reward, check_rewards, reward_functions
 from harness.rollouts.fastgen import sample_policy, static_decoder_for
 from harness.rollouts.generate import pad_left, pad_right
 from harness.rollouts.lockstep import shuffle_seed
@@ -154,10 +153,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             columns = {k: [row[k] for row in seq_rows] for k in seq_rows[0] if k != "prompt"}
             rewards_per_func = torch.zeros(N, len(reward_fns))
             for j, (name, fn) in enumerate(zip(reward_names, reward_fns)):
-                out = fn(prompts=[row["prompt"] for row in seq_rows],
-                         completions=[[{"role": "assistant", "content": c}] for c in completions],
-                         completion_ids=completion_ids, log_metric=log_metric, log_extra=lambda *a, **k: None,
-                         trainer_state=SimpleNamespace(global_step=step, max_steps=spec.STEPS), **columns)
+                out = call_reward(fn, [row["prompt"] for row in seq_rows], completions, completion_ids, columns, step,
+                                  spec.STEPS, log_metric)
                 rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N))
             rewards = (rewards_per_func * reward_w).nansum(dim=1)
             rewards = core.shape_rewards(rewards, spec.REWARD_CLIP)  # a quirk when > 0: TRL takes the sum as it is

@@ -291,6 +291,17 @@ def _time_limit(seconds: float):
             signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 1e-3))
 
 
+def call_reward(fn, prompts: list, texts: list[str], completion_ids: list, columns: dict, step: int, max_steps: int,
+                log_metric=None):
+    """One reward function called as TRL 1.16's GRPOTrainer calls it: keyword arguments only, completions in the
+    conversational form, the data set's other columns, `trainer_state`, and the metric hooks (no-ops by default).
+    The scratch loop, the lockstep recording and the reward check all call rewards through here."""
+    return fn(prompts=prompts, completions=[[{"role": "assistant", "content": t}] for t in texts],
+              completion_ids=completion_ids, log_metric=log_metric or (lambda *a, **k: None),
+              log_extra=lambda *a, **k: None, trainer_state=SimpleNamespace(global_step=step, max_steps=max_steps),
+              **columns)
+
+
 def check_reward_functions(spec, rows: list[dict]) -> None:
     """Import every reward function and call it once, as TRL does, on two data rows (their reference answers
     as completions), within CHECK_SECONDS; raises RewardError naming the function and the fix. Built-in names are
@@ -306,11 +317,8 @@ def check_reward_functions(spec, rows: list[dict]) -> None:
             continue
         try:
             with _time_limit(CHECK_SECONDS):
-                out = fn(prompts=[r["prompt"] for r in sample],
-                         completions=[[{"role": "assistant", "content": c}] for c in completions],
-                         completion_ids=[list(c.encode("utf-8")) for c in completions],
-                         log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None,
-                         trainer_state=SimpleNamespace(global_step=0, max_steps=spec.STEPS), **columns)
+                out = call_reward(fn, [r["prompt"] for r in sample], completions,
+                                  [list(c.encode("utf-8")) for c in completions], columns, 0, spec.STEPS)
                 values = list(out) if hasattr(out, "__iter__") and not isinstance(out, (str, bytes, dict)) else out
         except _TooSlow:
             raise RewardError(f"reward {entry!r} took more than {CHECK_SECONDS:g} s to score two completions: a "

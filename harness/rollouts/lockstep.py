@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -153,7 +152,7 @@ def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
     score of each completion (scored by the same functions both built-in sides call)."""
     from harness.experiment.data import encode_prompts, load_rows, prompt_schedule, to_prompt_rows
     from harness.experiment.models import checkpoint_dir, load_tokenizer
-    from harness.experiment.rewards import check_rewards, reward_functions
+    from harness.experiment.rewards import call_reward, check_rewards, reward_functions
 
     tokenizer = load_tokenizer(checkpoint_dir(spec))
     rows = to_prompt_rows(load_rows(spec.data), spec.data.system_prompt)
@@ -171,11 +170,8 @@ def write_loop_rollouts(spec, records: list[dict], path: str | Path) -> Path:
             columns = {k: [row[k] for row in group] for k in group[0] if k != "prompt"}
             rewards = {}
             for entry, fn in zip(spec.rewards.functions, fns):
-                out = fn(prompts=[row["prompt"] for row in group],
-                         completions=[[{"role": "assistant", "content": t}] for t in texts],
-                         completion_ids=rec["completion_ids"], log_metric=lambda *a, **k: None,
-                         log_extra=lambda *a, **k: None,
-                         trainer_state=SimpleNamespace(global_step=r, max_steps=spec.STEPS), **columns)
+                out = call_reward(fn, [row["prompt"] for row in group], texts, rec["completion_ids"], columns, r,
+                                  spec.STEPS)
                 name = fn.__name__ if fn.__name__ not in rewards else entry  # two files' `score`: keep both
                 rewards[name] = [None if v != v else v for v in check_rewards(fn.__name__, out, len(texts))]
             fh.write(json.dumps({
