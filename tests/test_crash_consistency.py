@@ -1,7 +1,7 @@
 """Crash consistency: a parity run SIGKILLed at 20 moments never leaves a folder that reads as a pass it did not
 make, and `--resume` finishes it with the verdicts of an uninterrupted run (issue 19, item 4).
 
-The run: the default spec, STEPS=2, cells `matched` and `loss_type=dapo` (one pair, then one pair and its
+The run: the default spec, STEPS=2, cells `matched` and `is=sequence_mask` (one pair, then one pair and its
 confirmation re-run), 3-13 s on 2 cores. Its phases, told apart by the files it writes:
   0 starting (no verdict.json of this process yet)   1 the first cell   2 the second cell's pair
   3 the confirmation re-run                           4 the report and the runs index
@@ -42,7 +42,7 @@ KILLS = 20
 CHAINS = 5
 PHASES = 5
 SEED = 19
-ARGS = ["--steps", "2", "--cells", "matched,loss_type=dapo", "--quiet"]
+ARGS = ["--steps", "2", "--cells", "matched,is=sequence_mask", "--quiet"]
 
 SERVER = r"""
 import json, os, sys, traceback
