@@ -199,6 +199,32 @@ def test_a_worker_that_dies_in_a_confirmation_rerun_fails_its_cell_and_resume_ru
     assert resumed["ok"] and verdicts(resumed) == verdicts(ref)
 
 
+def test_one_dead_jobs_worker_fails_only_the_pair_it_ran(tmp_path, monkeypatch):
+    """--jobs 2, real worker processes: the worker given is=sequence_mask's confirmation re-run dies (os._exit in
+    place of the run); that cell fails, the other cells, whose pairs ran beside it, are right."""
+    from harness.diagnose import backends
+    from harness.diagnose.matrix import run_matrix
+    from harness.experiment.spec import load_spec
+
+    died = []
+
+    class DiesOnce(backends.Processes):
+        def _submit(self, fn, spec, *args):
+            if fn is backends._pair_job and Path(args[1]).name.startswith("aligned-") and not died:
+                died.append(args[1])
+                return super()._submit(os._exit, spec, 17)  # the worker process goes, as under the OOM killer
+            return super()._submit(fn, spec, *args)
+
+    monkeypatch.setattr("harness.diagnose.matrix.make_backend", lambda *a, **k: DiesOnce(2, log=lambda *_: None))
+    doc = run_matrix(load_spec(DEFAULT_SPEC, ["STEPS=2"]), tmp_path / "m", "default", log=lambda *_: None,
+                     only=["matched", "is=sequence_mask", "loss_type=dapo"], jobs=2)
+    by = {c["name"]: c for c in doc["cells"]}
+    assert died and by["is=sequence_mask"]["verdict"] == "failed", verdicts(doc)
+    assert "WorkerDied: the worker process running this pair died" in by["is=sequence_mask"]["error"]
+    assert by["matched"]["ok"] and by["matched"]["verdict"] == "parity", verdicts(doc)
+    assert by["loss_type=dapo"]["ok"] and by["loss_type=dapo"]["verdict"] == "diverged", verdicts(doc)
+
+
 def test_a_stop_request_cancels_the_runs_on_workers_and_leaves_a_resumable_folder(tmp_path):
     """SIGTERM to the driver (Slurm's, say) stops the workers' runs, not only the driver: the matrix ends within
     seconds with `complete: false`, and no worker process is left."""

@@ -274,6 +274,9 @@ def _run_cells_in_threads(pending, out_dir: Path, mode: str, log, store, runner,
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     log(f"running {len(pending)} cells, {runner.slots} runs at a time")
+    # TRL's lazy module is not safe to import from several threads at once (two cells' cause searches raced to
+    # "cannot import name 'GRPOConfig' from 'trl'"): the preflight imports it here first
+    preflight(pending[0].spec)
 
     def one(cell):
         return run_cell(cell, out_dir / _dirname(cell.name), mode, False,
