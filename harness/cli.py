@@ -163,26 +163,20 @@ def cmd_run(args) -> int:
 
 def check_backend(args) -> None:
     """--backend, --jobs and --ray-address make sense together, and Ray is there when asked for: before any model
-    loads."""
+    loads (the backend's own checks, raised as BackendError: exit 2)."""
+    from harness.diagnose.backends import refuse_world_size_on_jobs, require_ray
+
     if args.jobs < 1:
         raise InputError(f"--jobs {args.jobs}: at least 1")
     if args.backend == "ray":
         if args.jobs != 1:
             raise InputError("--jobs is for --backend local; with --backend ray the cluster's GPUs (or CPUs) set how "
                              "many runs happen at once: drop --jobs")
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise InputError("--backend ray needs Ray, which is not installed: pip install -e '.[ray]' in this "
-                             "checkout (or pip install 'ray>=2.60,<3')") from None
+        require_ray()
     elif args.ray_address:
         raise InputError("--ray-address is for --backend ray: add --backend ray, or drop --ray-address")
-    elif args.jobs > 1 and getattr(args, "processes", 1) > 1:
-        import torch
-
-        if torch.cuda.is_available():
-            raise InputError("--jobs with --processes on GPUs: each worker sees one GPU, and a world-size pair needs "
-                             "PROCESSES GPUs at once; drop --jobs, or use --backend ray (docs/scaling.md)")
+    elif args.jobs > 1:
+        refuse_world_size_on_jobs(getattr(args, "processes", 1))
 
 
 def read_resume(folder: str):

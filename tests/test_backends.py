@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -252,7 +253,7 @@ def test_a_stop_request_cancels_the_runs_on_workers_and_leaves_a_resumable_folde
     assert not multiprocessing.active_children()
 
 
-def test_backend_flags_are_checked_before_any_model_loads(tmp_path, capsys):
+def test_backend_flags_are_checked_before_any_model_loads(tmp_path, capsys, monkeypatch):
     base = ["parity", "--spec", str(DEFAULT_SPEC), "--out", str(tmp_path / "x")]
     assert main([*base, "--backend", "ray", "--jobs", "2"]) == 2
     assert "--jobs is for --backend local" in capsys.readouterr().err
@@ -260,6 +261,10 @@ def test_backend_flags_are_checked_before_any_model_loads(tmp_path, capsys):
     assert "--ray-address is for --backend ray" in capsys.readouterr().err
     assert main([*base, "--jobs", "0"]) == 2
     assert "--jobs 0: at least 1" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    assert main([*base, "--backend", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend ray needs Ray, which is not installed: pip install -e '.[ray]'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
 

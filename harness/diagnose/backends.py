@@ -181,6 +181,23 @@ def _visible_gpus() -> list[str]:
     return inherited[:torch.cuda.device_count()] or [str(g) for g in range(torch.cuda.device_count())]
 
 
+def refuse_world_size_on_jobs(processes: int) -> None:
+    """--jobs workers see one GPU each: a world-size pair (PROCESSES > 1) cannot run on one (BackendError)."""
+    if processes > 1 and _visible_gpus():
+        raise BackendError("--jobs with --processes on GPUs: each worker sees one GPU, and a world-size pair needs "
+                           "PROCESSES GPUs at once; drop --jobs, or use --backend ray (docs/scaling.md)")
+
+
+def require_ray():
+    """The ray module; BackendError saying how to install it when it is missing."""
+    try:
+        import ray
+    except ImportError:
+        raise BackendError("--backend ray needs Ray, which is not installed: pip install -e '.[ray]' in this "
+                           "checkout (or pip install 'ray>=2.60,<3')") from None
+    return ray
+
+
 class Processes(_Pool):
     """`--jobs K`: K spawned worker processes on this machine, one GPU each where there are GPUs (then at most one
     per GPU). Each worker is a pool of its own that runs one job at a time, so a worker that dies fails only the
@@ -254,9 +271,7 @@ class Processes(_Pool):
         self._replace(worker)
 
     def check(self, specs) -> None:
-        if _visible_gpus() and any(getattr(s, "PROCESSES", 1) > 1 for s in specs):
-            raise BackendError("--jobs with --processes on GPUs: each worker sees one GPU, and a world-size pair needs "
-                               "PROCESSES GPUs at once; drop --jobs, or use --backend ray (docs/scaling.md)")
+        refuse_world_size_on_jobs(max((getattr(s, "PROCESSES", 1) for s in specs), default=1))
 
     def close(self) -> None:
         for ex, _gpu in self._all:
@@ -274,12 +289,7 @@ class RayCluster(_Pool):
     def __init__(self, address: str | None = None, gpus_per_run: float | None = None, cpus_per_run: float = 1,
                  log=print):
         super().__init__()
-        try:
-            import ray
-        except ImportError:
-            raise BackendError("--backend ray needs Ray, which is not installed: pip install -e '.[ray]' in this "
-                               "checkout (or pip install 'ray>=2.60,<3')") from None
-        self._ray = ray
+        self._ray = ray = require_ray()
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
         if not ray.is_initialized():
             try:
