@@ -310,10 +310,9 @@ def cmd_preflight(args) -> int:
     print(format_preflight(facts, diffs))
     if tr.validated_with:
         print(f"\n(GRPOConfig checked here with {tr.validated_with}: this machine has no GPU)")
-    if spec.sampler.kind == "policy" and (spec.GENERATION == "static" or
-                                          (spec.GENERATION == "auto" and spec.DEVICE in ("cuda", "auto"))):
+    if spec.sampler.kind == "policy" and spec.decoder(spec.DEVICE in ("cuda", "auto")) != "hf":
         print("\nnote: on a GPU the scratch loop samples from its own inference copy (GENERATION = \"static\"/"
-              "\"auto\": weights in the compute dtype, norms and embeddings included), TRL from transformers' "
+              "\"compiled\"/\"auto\": weights in the compute dtype, norms and embeddings included), TRL from transformers' "
               "generate under autocast (fp32 norms and embeddings): lockstep is unaffected; for free runs that must "
               "share TRL's sampling law to the last bit, set GENERATION = \"hf\"")
     return 1 if diffs else 0

@@ -116,11 +116,12 @@ def test_scratch_loop_on_the_static_decoder(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_graph_decoder_matches_eager_on_gpu():
-    """On CUDA the captured graph replays the same arithmetic as eager decoding: same seed, same tokens."""
+    """On CUDA the captured graph (sampling inside it) replays the same arithmetic as eager decoding: same seed,
+    same tokens."""
     model, tok, eos, prompts = _model_and_prompts()
     model = model.cuda()
-    graph = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16")
-    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=False)
+    graph = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", compile=False)
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=False, compile=False)
     assert graph.graphs and not eager.graphs
     torch.manual_seed(5)
     a = graph.generate(prompts, max_tokens=24, temperature=1.0)
@@ -130,6 +131,26 @@ def test_cuda_graph_decoder_matches_eager_on_gpu():
     assert a[0] == b[0]
     diff = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
     assert diff < 1e-3, diff
+
+
+@pytest.mark.gpu
+def test_compiled_graph_decoder_on_gpu_scores_as_a_full_forward_pass():
+    """The GPU default (compiled decode step inside a CUDA graph): the capture and the compile hold, and each
+    sampled token's log-prob is the one a full fp32 forward pass gives it, within bf16 rounding (as close as the
+    uncompiled bf16 decoder's)."""
+    from harness.rollouts.generate import score_completions
+
+    model, tok, eos, prompts = _model_and_prompts()
+    model = model.cuda()
+    errors = []
+    for compiled in (True, False):
+        dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", compile=compiled)
+        torch.manual_seed(5)
+        completions, logps = dec.generate(prompts, max_tokens=24, temperature=1.0)
+        assert dec.graphs and dec.compile == compiled, dec.describe()
+        ref = score_completions(model, prompts, completions, pad_id=tok.pad_token_id, temperature=1.0, device="cuda")
+        errors.append(max(abs(a - b) for ra, rb in zip(logps, ref) for a, b in zip(ra, rb)))
+    assert errors[0] < 0.1 and errors[0] < 3 * errors[1] + 0.02, errors
 
 
 def test_vllm_outputs_become_completions_and_logprobs():
@@ -166,6 +187,42 @@ def test_failed_graph_capture_falls_back_to_eager_and_says_so():
     assert eager.describe() == "static KV cache (eager)"
 
 
+def test_compiled_decode_step_decodes_as_eager():
+    """torch.compile of the decode step (what a GPU run does by default) changes no token: same seed, same tokens and
+    log-probs as the eager forward (fp32 on CPU; compiling takes ~20 s here)."""
+    model, tok, eos, prompts = _model_and_prompts()
+    compiled = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", compile=True)
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    assert compiled.compile and not eager.compile  # CPU: off unless asked
+    torch.manual_seed(11)
+    a = compiled.generate(prompts, max_tokens=12, temperature=0.8)
+    torch.manual_seed(11)
+    b = eager.generate(prompts, max_tokens=12, temperature=0.8)
+    assert compiled.compile, compiled.describe()  # it held (a failure falls back and says so)
+    assert compiled.describe() == "static KV cache (eager), compiled decode step"
+    assert a[0] == b[0]
+    diff = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+    assert diff < 1e-4, diff
+
+
+def test_failed_compile_falls_back_to_the_eager_forward(monkeypatch):
+    def broken(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("inductor: no C++ compiler")
+        return run
+
+    model, tok, eos, prompts = _model_and_prompts()
+    monkeypatch.setattr(torch, "compile", broken)
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", compile=True)
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning, match="torch.compile of the decode step failed .*no C\\+\\+ compiler"):
+        a = dec.generate(prompts, max_tokens=10, temperature=1.0)
+    torch.manual_seed(2)
+    assert a == eager.generate(prompts, max_tokens=10, temperature=1.0)
+    assert dec.describe() == "static KV cache (eager) (torch.compile failed)"
+
+
 def test_sampler_descriptions_and_construction_from_the_spec():
     """Manifests describe the sampler from the spec alone (a lockstep run builds none on the loop's side)."""
     from harness.rollouts.samplers import EmulatedSampler, describe_sampler, make_sampler
@@ -180,3 +237,17 @@ def test_sampler_descriptions_and_construction_from_the_spec():
     assert make_sampler(small_spec(), model, eos, tok.pad_token_id, "cpu") is None
     built = make_sampler(emulated, model, eos, tok.pad_token_id, "cpu")
     assert isinstance(built, EmulatedSampler) and built.describe() == describe_sampler(emulated)
+
+
+def test_generation_choice_picks_the_decoder():
+    """GENERATION: auto is transformers' generate on CPU and the compiled decoder on a GPU; static and compiled are
+    what they say on any device."""
+    from harness.rollouts.fastgen import static_decoder_for
+
+    model, tok, eos, _ = _model_and_prompts()
+    assert small_spec().decoder(cuda=True) == "compiled" and small_spec().decoder(cuda=False) == "hf"
+    assert static_decoder_for(small_spec(), model, eos, tok.pad_token_id, "cpu") is None
+    static = static_decoder_for(small_spec('GENERATION="static"'), model, eos, tok.pad_token_id, "cpu")
+    compiled = static_decoder_for(small_spec('GENERATION="compiled"'), model, eos, tok.pad_token_id, "cpu")
+    assert not static.compile and compiled.compile
+    assert small_spec('GENERATION="compiled"').decoder(cuda=False) == "compiled"

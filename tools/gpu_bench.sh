@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run of the benchmark issue, one command on the GPU test machine (trl/datasets carried as wheels in
-# .whl, see ../shared/tools/device-wheels.sh): the decoder's GPU test, a 10-step lockstep parity check at the
-# lesson's config (bf16), then `harness bench` at that config. Each part has its own time limit; logs in $OUT.
+# .whl, see ../shared/tools/device-wheels.sh): the decoder's GPU tests, the decode benchmark, the training-pass
+# profile, a 10-step lockstep parity check at the lesson's config (bf16), then `harness bench` at that config.
+# Each part has its own time limit; logs in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 GRPO_PARITY_CACHE=/tmp/gpc PYTHONUNBUFFERED=1
@@ -10,14 +11,15 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT/gpu.txt"
-PARTS=${PARTS:-"tests decode lockstep bench"}  # which parts to run, in this order
+PARTS=${PARTS:-"tests decode profile lockstep bench"}  # which parts to run, in this order
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS_LOCK=${STEPS_LOCK:-10}
 STEPS_BENCH=${STEPS_BENCH:-5}
-has tests && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+has tests && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 # build the 0.6B-shaped checkpoint once (the other parts use it)
-[[ "$PARTS" == *decode* || "$PARTS" == *lockstep* || "$PARTS" == *bench* ]] && timeout 120 python3 -c "from harness.experiment.spec import load_spec; from harness.experiment.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
-has decode && timeout 150 python3 tools/decode_bench.py 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
+[[ "$PARTS" == *decode* || "$PARTS" == *profile* || "$PARTS" == *lockstep* || "$PARTS" == *bench* ]] && timeout 120 python3 -c "from harness.experiment.spec import load_spec; from harness.experiment.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
+has decode && timeout "${DECODE_LIMIT:-300}" python3 tools/decode_bench.py --long 512 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
+has profile && timeout 200 python3 tools/train_profile.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/train_profile.log"
 t0=$(date +%s)
 has lockstep && timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out /tmp/lock --verbose \
   2>&1 | grep -v -i warn | tail -40 | tee "$OUT/lockstep.log"

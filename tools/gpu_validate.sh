@@ -22,9 +22,9 @@ run_matrix() {  # name, spec, extra args...
   local resume=()
   [ -f "$dir/verdict.json" ] && resume=(--resume "$dir")
   if [ ${#resume[@]} -gt 0 ]; then
-    timeout 540 python3 -m harness parity "${resume[@]}" 2>&1 | grep -v -i warn | tee -a "$OUT/$name.log"
+    timeout "${MATRIX_LIMIT:-540}" python3 -m harness parity "${resume[@]}" 2>&1 | grep -v -i warn | tee -a "$OUT/$name.log"
   else
-    timeout 540 python3 -m harness parity --spec "$spec" --out "$dir" "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log"
+    timeout "${MATRIX_LIMIT:-540}" python3 -m harness parity --spec "$spec" --out "$dir" "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log"
   fi
   cp "$dir/verdict.json" "$OUT/$name.verdict.json" 2>/dev/null
   cp "$dir/report.html" "$OUT/$name.report.html" 2>/dev/null

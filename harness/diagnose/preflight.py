@@ -270,7 +270,7 @@ def _scratch_sampling(spec) -> tuple[str, str]:
         import torch
 
         cuda = torch.cuda.is_available()
-    if spec.GENERATION == "static" or (spec.GENERATION == "auto" and cuda):
+    if spec.decoder(cuda) != "hf":
         return "static", "its static-cache decoder (harness/rollouts/fastgen.py: temperature, top_k and top_p only)"
     return "hf", "transformers' generate (harness/rollouts/generate.py's GenerationConfig)"
 

@@ -171,9 +171,11 @@ class Spec:
     TOP_P: float = _f(1.0, "Nucleus sampling mass.", min=0.0, min_exclusive=True, max=1.0)
     GENERATION: str = _f("auto", "How the scratch loop samples when sampler.kind = \"policy\": `hf` (transformers' "
                          "generate, as TRL without vLLM), `static` (harness/rollouts/fastgen.py: a bf16/fp32 inference copy, "
-                         "a static KV cache and one CUDA graph per decode step), or `auto` (static on a GPU, hf on CPU). "
-                         "The TRL side always uses its own generation; lockstep replays one recording to both.",
-                         choices=("auto", "hf", "static"))
+                         "a static KV cache and one CUDA graph per decode step, sampling included), `compiled` (the same "
+                         "with the decode step compiled by torch.compile: ~2x faster on a GPU, ~40 s to compile once per "
+                         "process), or `auto` (compiled on a GPU, hf on CPU). The TRL side always uses its own "
+                         "generation; lockstep replays one recording to both.",
+                         choices=("auto", "hf", "static", "compiled"))
     TOP_K: int = _f(0, "Top-k sampling (0 = off).", min=0)
     # --- objective ---
     LOSS_NORM: str = _f("sequence", "How per-token losses become one number: `sequence` (mean per completion, "
@@ -283,6 +285,12 @@ class Spec:
     def rounds(self) -> int:
         """Generation rounds: each feeds STEPS_PER_GENERATION x NUM_ITERATIONS optimizer steps."""
         return -(-self.STEPS // (self.STEPS_PER_GENERATION * self.NUM_ITERATIONS))
+
+    def decoder(self, cuda: bool) -> str:
+        """How the scratch loop samples on this device: `hf`, `static` or `compiled` (GENERATION's `auto` resolved)."""
+        if self.GENERATION == "auto":
+            return "compiled" if cuda else "hf"
+        return self.GENERATION
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
