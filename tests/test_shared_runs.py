@@ -85,3 +85,48 @@ def test_a_rerun_that_resolves_to_a_cells_own_spec_reuses_that_cells_pair(tmp_pa
     assert made == ["matched", "batch-naive"]  # no aligned-batch pair
     detail = {c["name"]: c for c in doc["cells"]}["batch=naive"]["attribution_detail"][0]
     assert detail["status"] == "confirmed" and (detail["reruns"], detail["reused"]) == (0, 1)
+
+
+def test_a_resumed_matrix_takes_the_reruns_an_earlier_run_made(tmp_path, monkeypatch):
+    """Issue 21: a re-run is kept (by a content hash of the spec, the mode and the code) in the matrix folder, so
+    after a --resume the cell that needs it again takes it instead of making it; also from a moved folder."""
+    import json
+    import shutil
+
+    from harness.diagnose import pairs
+
+    base = load_spec(DEFAULT_SPEC, ["STEPS=2"])
+    first = tmp_path / "first"
+    doc = run_matrix(base, first, "default", only=["is=sequence_mask"], log=lambda *_: None)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "diverged" and cell["attribution_detail"][0]["reruns"] == 1
+    # as if the run had been stopped after the re-run, before the cell's verdict: the cell is not finished
+    verdict = json.loads((first / "verdict.json").read_text())
+    verdict.update(cells=[], cells_done=0, complete=False)
+    (first / "verdict.json").write_text(json.dumps(verdict))
+    moved = tmp_path / "moved"
+    shutil.move(first, moved)
+    made, lines = [], []
+    real = pairs.run_pair
+
+    def counted(spec, out_dir, *args, **kwargs):
+        made.append(Path(out_dir).name)
+        return real(spec, out_dir, *args, **kwargs)
+
+    monkeypatch.setattr(pairs, "run_pair", counted)
+    again = run_matrix(base, moved, "default", only=["is=sequence_mask"], log=lines.append, resume=True)
+    assert made == ["is-sequence_mask"]  # its own pair only: no aligned-importance_sampling pair
+    assert any("made by an earlier run of this matrix, reused" in line for line in lines)
+    redone = again["cells"][0]
+    detail = redone["attribution_detail"][0]
+    assert (detail["status"], detail["reruns"], detail["reused"]) == ("confirmed", 0, 1)
+    assert [(e["cause"], e["status"]) for e in redone["attribution_detail"]] == \
+        [(e["cause"], e["status"]) for e in cell["attribution_detail"]]
+    # a kept entry whose run folders are gone serves no more: the re-run is made again
+    shutil.rmtree(next(moved.glob("is-sequence_mask/aligned-*")))
+    verdict = json.loads((moved / "verdict.json").read_text())
+    verdict.update(cells=[], cells_done=0, complete=False)
+    (moved / "verdict.json").write_text(json.dumps(verdict))
+    made.clear()
+    run_matrix(base, moved, "default", only=["is=sequence_mask"], log=lambda *_: None, resume=True)
+    assert made == ["is-sequence_mask", "aligned-importance_sampling"]

@@ -154,6 +154,7 @@ class CauseSearch:
         from harness.diagnose.backends import InProcess
 
         self.spec, self.diffs, self.checks, self.store = spec, diffs, checks, store
+        self.pairs = store.pairs if store is not None else None  # re-runs kept across --resume
         self.backend = backend or InProcess()
         self.cell_dir, self.mode, self.progress, self.log = cell_dir, mode, progress, log
         self.reruns = 0  # new runs made for this cell
@@ -179,16 +180,31 @@ class CauseSearch:
             mine = known is None and fut is None
             if mine:  # this cell makes it; another cell asking meanwhile waits for it (no run made twice)
                 fut = _INFLIGHT[key] = concurrent.futures.Future()
-                self.reruns += 1
-                n = self.reruns
             else:
                 self.reused += 1
+        kept = None
+        if mine and self.pairs:
+            try:  # made by an earlier run of this matrix (before a --resume)
+                kept = self.pairs.get(spec, self.mode)
+            except Exception:  # noqa: BLE001 - an unreadable entry is no entry: the re-run is made again
+                kept = None
         if not mine:
             self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by another cell of this matrix, reused")
             out = known if known is not None else fut.result()
             if out is None:
                 self.errors.append("the same re-run failed in another cell of this matrix")
+        elif kept is not None:
+            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by an earlier run of this matrix, reused")
+            out = kept
+            with _LOCK:
+                self.reused += 1
+                _RERUNS[key] = out
+                _INFLIGHT.pop(key, None)
+            fut.set_result(out)
         else:
+            with _LOCK:
+                self.reruns += 1
+                n = self.reruns
             out = None
             try:
                 bound = f" (at most {2 * len(self.checks) + 1})" if self.backend.slots <= 1 else ""  # prefetch: more
@@ -208,6 +224,8 @@ class CauseSearch:
                     if out is not None:
                         _RERUNS[key] = out
                     _INFLIGHT.pop(key, None)
+            if out is not None and self.pairs:
+                self.pairs.keep(spec, self.mode, out)
             fut.set_result(out)
         self.results[aligned] = out
         return out

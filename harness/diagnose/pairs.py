@@ -9,7 +9,9 @@ each; then `compare_free`. The matrix and the attribution call `run_pair` for ev
 With TOLERANCE = "calibrated" (lockstep) the scratch side also runs as its noise twin on the same recording
 (harness/diagnose/noise.py). With a `store` (a matrix's folder), the scratch run, its recording and its noise
 envelope are kept by a content hash of what the scratch side reads (`scratch_key`): cells and re-runs whose
-scratch side is set up alike share one scratch run, also across `--resume`.
+scratch side is set up alike share one scratch run, also across `--resume`. The attribution's re-runs are kept
+whole there too (`PairResults`, by `pair_key`: the whole spec, the mode and all the code), so a resumed matrix
+makes none of them twice.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from harness.diagnose import noise
 from harness.diagnose.compare import compare_runs, load_any_run, load_tolerances
 from harness.diagnose.freerun import compare_free
 from harness.diagnose.preflight import apply_alignment
+from harness.runlog.log import METRICS_FILE
 
 SIDES = ("scratch", "trl", "yours")
 SHARED_DIR = "shared-scratch"  # a matrix folder's store of scratch runs
@@ -34,35 +37,47 @@ SHARED_DIR = "shared-scratch"  # a matrix folder's store of scratch runs
 SCRATCH_BLIND = ("NAME", "trl", "BATCH_MAPPING", "PROCESSES", "loop", "TOLERANCE", "FREE_SEEDS")
 # the code a scratch run's result depends on
 SCRATCH_CODE = ("scratch_grpo", "harness/experiment", "harness/rollouts", "harness/runlog", "harness/diagnose/noise.py")
+# the code a whole pair's comparison depends on: both sides, the comparison and its tolerances
+PAIR_CODE = ("scratch_grpo", "trl_runner", "loop_runner", "harness", "harness/diagnose/tolerances.toml")
 
 
 @functools.cache
-def code_version() -> str:
-    """A hash of the scratch side's source files and the library versions: a stored run is reused only by the same
-    code."""
+def code_version(parts: tuple[str, ...] = SCRATCH_CODE) -> str:
+    """A hash of these source files (the scratch side's by default) and the library versions: a stored run is
+    reused only by the same code."""
     from harness.runlog.log import library_versions
 
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256(json.dumps(library_versions(), sort_keys=True, default=str).encode())
-    for name in SCRATCH_CODE:
+    for name in parts:
         for f in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
-def scratch_key(spec) -> str:
-    """Content hash of everything the scratch side's run depends on: its spec fields, the code, the reward
-    functions' sources and the data/checkpoint files' sizes and times."""
+def _content_key(fields: dict, code: str, spec, *extra) -> str:
+    """Content hash of spec fields, a code version, the reward functions' sources and the data/checkpoint files'
+    sizes and times."""
     from harness.experiment.rewards import reward_provenance
 
-    d = {k: v for k, v in spec.to_dict().items() if k not in SCRATCH_BLIND}
     files = []
     for path in (spec.data.path, spec.model.path):
         if path and Path(path).exists():
             st = Path(path).stat()
             files.append([str(path), st.st_size, st.st_mtime_ns])
-    blob = json.dumps([d, code_version(), reward_provenance(spec), files], sort_keys=True, default=str)
+    blob = json.dumps([fields, code, reward_provenance(spec), files, *extra], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def scratch_key(spec) -> str:
+    """Content hash of everything the scratch side's run depends on (its spec fields, its code, rewards, files)."""
+    return _content_key({k: v for k, v in spec.to_dict().items() if k not in SCRATCH_BLIND}, code_version(), spec)
+
+
+def pair_key(spec, mode: str) -> str:
+    """Content hash of everything a scratch-against-TRL pair's comparison depends on: the whole spec, the mode, the
+    code of both sides and of the comparison, rewards, files."""
+    return _content_key(spec.to_dict(), code_version(PAIR_CODE), spec, mode)
 
 
 class ScratchStore:
@@ -71,6 +86,7 @@ class ScratchStore:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self.pairs = PairResults(self.root / "pairs", self.root.parent)  # the matrix's finished re-runs, by pair_key
 
     def entry(self, spec) -> Path:
         return self.root / scratch_key(spec)
@@ -117,6 +133,41 @@ class ScratchStore:
         except OSError:  # another worker stored it first: theirs serves as well
             shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+class PairResults:
+    """Finished re-runs' comparisons kept by `pair_key` under `root`, a matrix folder's, so that a resumed matrix
+    takes the re-runs an earlier run of it made instead of making them again. Run folders are written relative to
+    `base` (the matrix folder: it may have moved since); an entry serves only while its folders are there."""
+
+    def __init__(self, root: Path, base: Path):
+        self.root, self.base = Path(root), Path(base)
+
+    def get(self, spec, mode: str) -> dict | None:
+        try:
+            result = json.loads((self.root / f"{pair_key(spec, mode)}.json").read_text(encoding="utf-8"))
+            result["runs"] = _map_runs(result["runs"], lambda p: str(self.base / p))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+        runs = result["runs"]
+        folders = [p for side in runs.values() for p in side] if isinstance(runs, dict) else runs
+        if not folders or not all((Path(p) / METRICS_FILE).is_file() for p in folders):
+            return None
+        return result
+
+    def keep(self, spec, mode: str, result: dict) -> None:
+        from harness.runlog.atomic import atomic_write_text
+
+        rel = dict(result, runs=_map_runs(result.get("runs") or [], lambda p: os.path.relpath(p, self.base)))
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.root / f"{pair_key(spec, mode)}.json", json.dumps(rel, default=str))
+
+
+def _map_runs(runs, fn):
+    """A comparison's `runs` (lockstep: [a, b]; free: {side: [seed folders]}) with fn applied to every folder."""
+    if isinstance(runs, dict):
+        return {k: [fn(p) for p in v] for k, v in runs.items()}
+    return [fn(p) for p in runs]
 
 
 def _train(side: str, spec, run_dir: Path, progress: bool, rollouts=None, replay=None) -> None:
