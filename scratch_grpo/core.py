@@ -79,9 +79,19 @@ def _lean(logits: torch.Tensor) -> bool:
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens (in fp32)."""
     if _lean(logits) and logits.dim() == 3:
-        return _LeanLogprobs.apply(logits, targets, temperature)
+        return _LeanLogprobs.apply(logits, targets, temperature, False)[0]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                               entropy_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs and token_entropy (of softmax(logits / entropy_temperature), no gradient) together: on the
+    lean path one pass over the logits gives both when the two temperatures agree."""
+    t_ent = temperature if entropy_temperature is None else entropy_temperature
+    if _lean(logits) and logits.dim() == 3 and t_ent == temperature:
+        return _LeanLogprobs.apply(logits, targets, temperature, True)
+    return token_logprobs(logits, targets, temperature), token_entropy(logits.detach(), t_ent)
 
 
 def _row_chunks(logits: torch.Tensor):
@@ -93,45 +103,91 @@ def _row_chunks(logits: torch.Tensor):
             yield b, slice(s, s + CHUNK_ROWS)
 
 
+def _chunk_stats(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    """One chunk (R, V) of logits: log-prob of each target, log-sum-exp and (with `entropy`) the entropy, in fp32."""
+    z = x.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not entropy:
+        return logp, lse, None
+    logp_all = z - lse[:, None]
+    return logp, lse, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _chunk_grad(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, temperature: float):
+    """d loss / d logits of one chunk: g * (onehot(target) - softmax(x / T)) / T, in the logits' dtype."""
+    p = torch.exp(x.float() / temperature - lse[:, None])
+    d = (-p * g[:, None]).scatter_add(-1, targets[:, None], g[:, None])
+    return (d / temperature).to(x.dtype)
+
+
+class _Kernels:
+    """The lean path's two chunk functions, compiled by torch.compile on a GPU (each fused into a few kernels that
+    read the bf16 logits without writing an fp32 copy), eager elsewhere or once compiling failed (with a warning)."""
+
+    def __init__(self, devices=("cuda",)):
+        self.devices = devices  # where to compile (the tests add "cpu")
+        self.compiled: dict | None = None
+        self.failed = False
+
+    def __call__(self, name: str, *args):
+        fn = globals()[name]
+        if args[0].device.type in self.devices and not self.failed:
+            try:
+                if self.compiled is None:
+                    self.compiled = {n: torch.compile(globals()[n], dynamic=True) for n in ("_chunk_stats", "_chunk_grad")}
+                return self.compiled[name](*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function computes the same
+                import warnings
+
+                warnings.warn(f"torch.compile of the log-prob kernels failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "computing them eagerly")
+                self.failed = True
+        return fn(*args)
+
+
+KERNELS = _Kernels()
+
+
 class _LeanLogprobs(torch.autograd.Function):
-    """token_logprobs without an fp32 (B, T, V) tensor: forward and backward run over row chunks.
+    """token_logprobs (and, asked for, the entropy) without an fp32 (B, T, V) tensor: over row chunks.
 
     forward:  logp = x[target] - logsumexp(x),  x = logits.float() / T      (saved: logits, targets, lse)
+              entropy = -sum_v p_v log p_v (no gradient)
     backward: d logits = g * (onehot(target) - softmax(x)) / T               (in the logits' dtype)"""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
+    def forward(ctx, logits, targets, temperature, entropy):
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        ent = torch.empty_like(out) if entropy else out.new_empty(0)
         for b, t in _row_chunks(logits):
-            x = logits[b, t].float() / temperature
-            lse[b, t] = torch.logsumexp(x, dim=-1)
-            out[b, t] = x.gather(-1, targets[b, t, None]).squeeze(-1) - lse[b, t]
+            lp, ls, h = KERNELS("_chunk_stats", logits[b, t], targets[b, t], temperature, entropy)
+            out[b, t], lse[b, t] = lp, ls
+            if entropy:
+                ent[b, t] = h
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         logits, targets, lse = ctx.saved_tensors
-        T = ctx.temperature
         g = grad_out.float()
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for b, t in _row_chunks(logits):
-            p = torch.exp(logits[b, t].float() / T - lse[b, t, None])
-            d = -p * g[b, t, None]
-            d.scatter_add_(-1, targets[b, t, None], g[b, t, None])
-            grad[b, t] = (d / T).to(grad.dtype)
-        return grad, None, None
+            grad[b, t] = KERNELS("_chunk_grad", logits[b, t], targets[b, t], lse[b, t], g[b, t], ctx.temperature)
+        return grad, None, None, None
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """H = -sum_v p_v log p_v per position, of softmax(logits / temperature)."""
     if _lean(logits) and not logits.requires_grad and logits.dim() == 3:
         out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        zeros = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
         for b, t in _row_chunks(logits):
-            logp = torch.log_softmax(logits[b, t].float() / temperature, dim=-1)
-            out[b, t] = -(logp.exp() * logp).sum(-1)
+            out[b, t] = KERNELS("_chunk_stats", logits[b, t], zeros[b, t], temperature, True)[2]
         return out
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)

@@ -33,8 +33,9 @@ from scratch_grpo import core
 
 
 def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                       completion_mask: torch.Tensor, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs (B, T) of the completion tokens, and optionally the logits for entropy.
+                       completion_mask: torch.Tensor, temperature: float, entropy_temperature: float | None = None):
+    """Per-token log-probs (B, T) of the completion tokens, and with `entropy_temperature` the entropy (B, T) of
+    softmax(logits / entropy_temperature) (no gradient); else None.
 
     Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them.
     """
@@ -42,8 +43,9 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     T = completion_ids.size(1)
     logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1).logits[:, :-1]
-    logp = core.token_logprobs(logits, completion_ids, temperature)
-    return (logp, logits) if with_entropy else (logp, None)
+    if entropy_temperature is None:
+        return core.token_logprobs(logits, completion_ids, temperature), None
+    return core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
 
 
 def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False):
@@ -222,10 +224,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 step_loss, mb_stats = 0.0, []
                 for mb in micro_batches:
                     with autocast_for(device, spec.DTYPE):
-                        logp, logits = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
-                                                          logp_temperature, with_entropy=True)
+                        logp, entropy = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
+                                                           logp_temperature, entropy_temperature=spec.TEMPERATURE)
                     mask = c_mask[mb].float()
-                    entropy = core.token_entropy(logits.detach(), spec.TEMPERATURE)
                     old = logp_old[mb] if logp_old is not None else logp.detach()
                     per_token, rho = core.clipped_surrogate(logp, old, adv[mb], spec.CLIP_LOW, spec.CLIP_HIGH,
                                                             spec.DELTA or None)

@@ -204,7 +204,7 @@ def test_lean_logprobs_and_entropy_match_the_plain_expressions():
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         leaf = full.detach().to(dtype).clone().requires_grad_(True)
         x = leaf[:, :1300]  # as the loop hands it over: a non-contiguous slice of the model output, 2 chunks a row
-        lean = core._LeanLogprobs.apply(x, targets, 0.7)
+        lean = core._LeanLogprobs.apply(x, targets, 0.7, False)[0]
         (lean * weights).sum().backward()
         ref_x = x.detach().float().requires_grad_(True)
         ref = torch.log_softmax(ref_x / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
@@ -217,9 +217,40 @@ def test_lean_logprobs_and_entropy_match_the_plain_expressions():
     assert core._lean(bf) and not core._lean(logits)
     plain = -(torch.log_softmax(bf.float() / 0.7, -1).exp() * torch.log_softmax(bf.float() / 0.7, -1)).sum(-1)
     torch.testing.assert_close(core.token_entropy(bf, 0.7), plain, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(core.token_logprobs(bf, targets, 0.7),
-                               torch.log_softmax(bf.float() / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1),
-                               rtol=0, atol=1e-5)
+    plain_logp = torch.log_softmax(bf.float() / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(core.token_logprobs(bf, targets, 0.7), plain_logp, rtol=0, atol=1e-5)
+    # both from one pass (the training loop's call), and each on its own when the temperatures differ
+    logp, ent = core.token_logprobs_and_entropy(bf, targets, 0.7)
+    torch.testing.assert_close(logp, plain_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, plain, rtol=1e-6, atol=1e-6)
+    logp, ent = core.token_logprobs_and_entropy(bf, targets, 0.7, entropy_temperature=1.0)
+    torch.testing.assert_close(logp, plain_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, core.token_entropy(bf.float(), 1.0), rtol=1e-6, atol=1e-6)
+    logp, ent = core.token_logprobs_and_entropy(logits, targets, 0.7)  # small fp32: the plain expressions
+    assert torch.equal(logp, torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1))
+    assert torch.equal(ent, core.token_entropy(logits, 0.7))
+
+
+def test_compiled_lean_kernels_compute_the_eager_values(monkeypatch):
+    """On a GPU the lean path's chunk functions run compiled (fused, no fp32 copy of the logits); compiled here on
+    the CPU, they give the eager functions' log-probs, entropies and gradients."""
+    from scratch_grpo import core
+
+    g = torch.Generator().manual_seed(1)
+    base = (torch.randn(2, 300, 64, generator=g) * 3).bfloat16()
+    targets = torch.randint(0, 64, (2, 300), generator=g)
+    weights = torch.randn(2, 300, generator=g)
+    out = {}
+    for devices in ((), ("cpu",)):
+        monkeypatch.setattr(core, "KERNELS", core._Kernels(devices))
+        x = base.clone().requires_grad_(True)
+        logp, ent = core.token_logprobs_and_entropy(x, targets, 0.9)
+        (logp * weights).sum().backward()
+        out[devices] = (logp, ent, x.grad)
+        assert (core.KERNELS.compiled is None) == (not devices) and not core.KERNELS.failed
+    assert core.KERNELS.compiled is not None  # the second round ran compiled
+    for eager, compiled in zip(out[()], out[("cpu",)]):
+        torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-5, atol=1e-5)
 
 
 # ---- quirks of hand-written loops ------------------------------------------------------------------------------
@@ -278,3 +309,21 @@ def test_shape_rewards_clip_and_kl_in_the_reward():
     close(core.shape_rewards(r, clip=0.5), [0.5, -0.2, 0.4])
     close(core.shape_rewards(r, clip=0.5, seq_kl=torch.tensor([2.0, 0.0, 1.0]), beta=0.1), [0.3, -0.2, 0.3])
     close(core.shape_rewards(r), r)  # TRL's: the sum as it is
+
+
+@pytest.mark.gpu
+def test_lean_kernels_compile_on_the_gpu_and_match_the_plain_expressions():
+    """The GPU default: the chunk functions compile (no fallback) and give the plain fp32 expressions' values."""
+    from scratch_grpo import core
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(4, 700, 151936, device="cuda", generator=g) * 3).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 151936, (4, 700), device="cuda", generator=g)
+    logp, ent = core.token_logprobs_and_entropy(logits, targets, 0.9)
+    logp.sum().backward()
+    assert core.KERNELS.compiled is not None and not core.KERNELS.failed
+    ref = torch.log_softmax(logits.detach().float() / 0.9, -1)
+    torch.testing.assert_close(logp, ref.gather(-1, targets[..., None]).squeeze(-1), rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), rtol=1e-5, atol=1e-4)
+    onehot = torch.zeros_like(ref).scatter_(-1, targets[..., None], 1.0)
+    torch.testing.assert_close(logits.grad.float(), (onehot - ref.exp()) / 0.9, rtol=1e-2, atol=1e-2)

@@ -15,7 +15,7 @@ PARTS=${PARTS:-"tests decode profile lockstep bench"}  # which parts to run, in 
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS_LOCK=${STEPS_LOCK:-10}
 STEPS_BENCH=${STEPS_BENCH:-5}
-has tests && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+has tests && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_core.py tests/test_fastgen.py tests/test_gpu.py -k "gpu" 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 # build the 0.6B-shaped checkpoint once (the other parts use it)
 [[ "$PARTS" == *decode* || "$PARTS" == *profile* || "$PARTS" == *lockstep* || "$PARTS" == *bench* ]] && timeout 120 python3 -c "from harness.experiment.spec import load_spec; from harness.experiment.models import checkpoint_dir; import time; t=time.time(); print(checkpoint_dir(load_spec('harness/specs/bench.toml')), f'{time.time()-t:.0f} s')" 2>&1 | tail -2 | tee "$OUT/build.log"
 has decode && timeout "${DECODE_LIMIT:-300}" python3 tools/decode_bench.py --long 512 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"

@@ -62,9 +62,7 @@ def main() -> None:
 
     def micro_batch(with_entropy: bool = True):
         with autocast_for(dev, "bfloat16"):
-            logp, logits = completion_forward(model, p_ids, p_mask, c_ids, c_mask, 1.0, with_entropy=with_entropy)
-        if with_entropy:
-            core.token_entropy(logits.detach(), 1.0)
+            logp, _ = completion_forward(model, p_ids, p_mask, c_ids, c_mask, 1.0, 1.0 if with_entropy else None)
         per_token, _ = core.clipped_surrogate(logp, logp.detach(), adv, 0.2, 0.28)
         loss = core.aggregate_loss(per_token, c_mask.float(), "sequence", 4, args.tokens, 0.0)
         loss.backward()
@@ -93,15 +91,22 @@ def main() -> None:
     logits = torch.randn(args.rows, args.tokens, V, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
 
     def loss_alone():  # the loss's own work on one micro-batch's logits: log-probs, entropy, backward to the logits
-        logp = core.token_logprobs(logits, c_ids, 1.0)
-        core.token_entropy(logits.detach(), 1.0)
+        logp, _ = core.token_logprobs_and_entropy(logits, c_ids, 1.0)
         (logp * c_mask).sum().backward()
         logits.grad = None
 
+    def loss_alone_eager():  # the same with the chunk functions uncompiled
+        compiled, core.KERNELS.devices = core.KERNELS.devices, ()
+        try:
+            loss_alone()
+        finally:
+            core.KERNELS.devices = compiled
+
     variants = [("scratch micro-batch (loss + entropy + backward)", micro_batch, 8 * n * tokens),
-                ("  the same without the entropy pass", lambda: micro_batch(False), 8 * n * tokens),
+                ("  the same without the entropy", lambda: micro_batch(False), 8 * n * tokens),
                 ("  forward only (no grad: old/ref log-probs)", forward_only, 2 * n * tokens),
-                ("  the loss alone on given bf16 logits", loss_alone, 0)]
+                ("  the loss alone on given bf16 logits", loss_alone, 0),
+                ("  the same, chunk functions not compiled", loss_alone_eager, 0)]
     for name, fn, flops in variants:
         dt = timed(fn)
         print(f"{name:52s} {1000 * dt:8.1f} ms  {flops / dt / 1e12:6.1f} TFLOP/s  {flops / dt / rate:6.1%} of matmul")
