@@ -9,6 +9,7 @@ Each function has known-answer tests computed by hand in tests/test_core.py.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -116,34 +117,38 @@ def _chunk_stats(x: torch.Tensor, targets: torch.Tensor, temperature: float, ent
 
 def _chunk_grad(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, temperature: float):
     """d loss / d logits of one chunk: g * (onehot(target) - softmax(x / T)) / T, in the logits' dtype."""
-    p = torch.exp(x.float() / temperature - lse[:, None])
-    d = (-p * g[:, None]).scatter_add(-1, targets[:, None], g[:, None])
+    d = torch.exp(x.float() / temperature - lse[:, None]).mul_(-g[:, None])
+    d.scatter_add_(-1, targets[:, None], g[:, None])
     return (d / temperature).to(x.dtype)
 
 
 class _Kernels:
     """The lean path's two chunk functions, compiled by torch.compile on a GPU (each fused into a few kernels that
-    read the bf16 logits without writing an fp32 copy), eager elsewhere or once compiling failed (with a warning)."""
+    read the bf16 logits without writing an fp32 copy), eager elsewhere. A function whose first compiled call fails
+    (no compiler, say) runs eagerly from then on, with a warning; later failures are the computation's own."""
 
     def __init__(self, devices=("cuda",)):
         self.devices = devices  # where to compile (the tests add "cpu")
-        self.compiled: dict | None = None
+        self.compiled: dict = {}  # function -> its compiled form, once that has run
         self.failed = False
 
-    def __call__(self, name: str, *args):
-        fn = globals()[name]
-        if args[0].device.type in self.devices and not self.failed:
-            try:
-                if self.compiled is None:
-                    self.compiled = {n: torch.compile(globals()[n], dynamic=True) for n in ("_chunk_stats", "_chunk_grad")}
-                return self.compiled[name](*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function computes the same
-                import warnings
-
-                warnings.warn(f"torch.compile of the log-prob kernels failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "computing them eagerly")
-                self.failed = True
-        return fn(*args)
+    def __call__(self, fn, *args):
+        if args[0].device.type not in self.devices or self.failed:
+            return fn(*args)
+        if fn in self.compiled:
+            return self.compiled[fn](*args)
+        compiled = torch.compile(fn, dynamic=True)
+        try:
+            out = compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - inductor, triton or a C compiler: any of them may be missing
+            warnings.warn(f"torch.compile of the log-prob kernels failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "computing them eagerly")
+            self.failed = True
+            return fn(*args)
+        self.compiled[fn] = compiled
+        return out
 
 
 KERNELS = _Kernels()
@@ -162,7 +167,7 @@ class _LeanLogprobs(torch.autograd.Function):
         lse = torch.empty_like(out)
         ent = torch.empty_like(out) if entropy else out.new_empty(0)
         for b, t in _row_chunks(logits):
-            lp, ls, h = KERNELS("_chunk_stats", logits[b, t], targets[b, t], temperature, entropy)
+            lp, ls, h = KERNELS(_chunk_stats, logits[b, t], targets[b, t], temperature, entropy)
             out[b, t], lse[b, t] = lp, ls
             if entropy:
                 ent[b, t] = h
@@ -177,7 +182,7 @@ class _LeanLogprobs(torch.autograd.Function):
         g = grad_out.float()
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for b, t in _row_chunks(logits):
-            grad[b, t] = KERNELS("_chunk_grad", logits[b, t], targets[b, t], lse[b, t], g[b, t], ctx.temperature)
+            grad[b, t] = KERNELS(_chunk_grad, logits[b, t], targets[b, t], lse[b, t], g[b, t], ctx.temperature)
         return grad, None, None, None
 
 
@@ -187,7 +192,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
         out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
         zeros = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
         for b, t in _row_chunks(logits):
-            out[b, t] = KERNELS("_chunk_stats", logits[b, t], zeros[b, t], temperature, True)[2]
+            out[b, t] = KERNELS(_chunk_stats, logits[b, t], zeros[b, t], temperature, True)[2]
         return out
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)

@@ -120,8 +120,8 @@ def test_cuda_graph_decoder_matches_eager_on_gpu():
     same tokens."""
     model, tok, eos, prompts = _model_and_prompts()
     model = model.cuda()
-    graph = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", compile=False)
-    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=False, compile=False)
+    graph = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", compile_step=False)
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=False, compile_step=False)
     assert graph.graphs and not eager.graphs
     torch.manual_seed(5)
     a = graph.generate(prompts, max_tokens=24, temperature=1.0)
@@ -144,10 +144,10 @@ def test_compiled_graph_decoder_on_gpu_scores_as_a_full_forward_pass():
     model = model.cuda()
     errors = []
     for compiled in (True, False):
-        dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", compile=compiled)
+        dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", compile_step=compiled)
         torch.manual_seed(5)
         completions, logps = dec.generate(prompts, max_tokens=24, temperature=1.0)
-        assert dec.graphs and dec.compile == compiled, dec.describe()
+        assert dec.graphs and dec.compile_step == compiled, dec.describe()
         ref = score_completions(model, prompts, completions, pad_id=tok.pad_token_id, temperature=1.0, device="cuda")
         errors.append(max(abs(a - b) for ra, rb in zip(logps, ref) for a, b in zip(ra, rb)))
     assert errors[0] < 0.1 and errors[0] < 3 * errors[1] + 0.02, errors
@@ -191,14 +191,14 @@ def test_compiled_decode_step_decodes_as_eager():
     """torch.compile of the decode step (what a GPU run does by default) changes no token: same seed, same tokens and
     log-probs as the eager forward (fp32 on CPU; compiling takes ~20 s here)."""
     model, tok, eos, prompts = _model_and_prompts()
-    compiled = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", compile=True)
+    compiled = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", compile_step=True)
     eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
-    assert compiled.compile and not eager.compile  # CPU: off unless asked
+    assert compiled.compile_step and not eager.compile_step  # CPU: off unless asked
     torch.manual_seed(11)
     a = compiled.generate(prompts, max_tokens=12, temperature=0.8)
     torch.manual_seed(11)
     b = eager.generate(prompts, max_tokens=12, temperature=0.8)
-    assert compiled.compile, compiled.describe()  # it held (a failure falls back and says so)
+    assert compiled.compile_step, compiled.describe()  # it held (a failure falls back and says so)
     assert compiled.describe() == "static KV cache (eager), compiled decode step"
     assert a[0] == b[0]
     diff = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
@@ -213,7 +213,7 @@ def test_failed_compile_falls_back_to_the_eager_forward(monkeypatch):
 
     model, tok, eos, prompts = _model_and_prompts()
     monkeypatch.setattr(torch, "compile", broken)
-    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", compile=True)
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", compile_step=True)
     eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
     torch.manual_seed(2)
     with pytest.warns(UserWarning, match="torch.compile of the decode step failed .*no C\\+\\+ compiler"):
@@ -249,5 +249,69 @@ def test_generation_choice_picks_the_decoder():
     assert static_decoder_for(small_spec(), model, eos, tok.pad_token_id, "cpu") is None
     static = static_decoder_for(small_spec('GENERATION="static"'), model, eos, tok.pad_token_id, "cpu")
     compiled = static_decoder_for(small_spec('GENERATION="compiled"'), model, eos, tok.pad_token_id, "cpu")
-    assert not static.compile and compiled.compile
+    assert not static.compile_step and compiled.compile_step
     assert small_spec('GENERATION="compiled"').decoder(cuda=False) == "compiled"
+
+
+def _fake_cuda_capture(monkeypatch, capture_fails: bool):
+    """torch.cuda's stream and graph calls, faked on a CPU machine: the warm-up runs on a "side stream" (here the
+    only one); the capture either raises, as an uncapturable model does, or records (here: runs nothing)."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g):
+        if capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+
+
+def test_warm_up_counts_as_a_step_when_the_capture_then_fails(monkeypatch):
+    """The capture's warm-up is a real decode step: after a failed capture decoding goes on from the next step, and
+    the tokens are eager decoding's."""
+    model, tok, eos, prompts = _model_and_prompts()
+    eager = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", graphs=False)
+    torch.manual_seed(4)
+    ref = eager.generate(prompts, max_tokens=20, temperature=1.0)
+    _fake_cuda_capture(monkeypatch, capture_fails=True)
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", graphs=True)
+    torch.manual_seed(4)
+    with pytest.warns(UserWarning, match="not permitted when stream is capturing"):
+        assert dec.generate(prompts, max_tokens=20, temperature=1.0) == ref
+    assert dec.capture_failed
+
+
+def test_a_failing_warm_up_step_raises_instead_of_stepping_twice(monkeypatch):
+    """A decode step that fails on the side stream (out of memory, say) is a failed step, as it would be eagerly:
+    it must not be read as a failed capture and the step run again on top of its half-done state."""
+    model, tok, eos, prompts = _model_and_prompts()
+    _fake_cuda_capture(monkeypatch, capture_fails=False)
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32", graphs=True)
+    real, calls = dec._forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the prefill, steps 0 and 1, then the warm-up at step 2
+            raise torch.OutOfMemoryError("CUDA out of memory (side stream)")
+        return real(*args, **kwargs)
+
+    dec._forward = flaky
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.generate(prompts, max_tokens=20, temperature=1.0)
+
+
+def test_no_tokens_asked_gives_empty_completions():
+    model, tok, eos, prompts = _model_and_prompts()
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="float32")
+    assert dec.generate(prompts[:2], max_tokens=0, temperature=1.0) == ([[], []], [[], []])
+    one = dec.generate(prompts[:2], max_tokens=1, temperature=1.0)
+    assert [len(c) for c in one[0]] == [1, 1] and [len(lp) for lp in one[1]] == [1, 1]

@@ -130,3 +130,18 @@ def test_a_resumed_matrix_takes_the_reruns_an_earlier_run_made(tmp_path, monkeyp
     made.clear()
     run_matrix(base, moved, "default", only=["is=sequence_mask"], log=lambda *_: None, resume=True)
     assert made == ["is-sequence_mask", "aligned-importance_sampling"]
+
+
+def test_a_rerun_that_cannot_be_kept_still_serves_its_cell(tmp_path, monkeypatch):
+    """Keeping a re-run for --resume is a convenience: a full disk there leaves the cell's verdict as it was."""
+    from harness.diagnose import pairs
+
+    def full(self, spec, mode, result):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pairs.PairResults, "keep", full)
+    lines = []
+    doc = run_matrix(load_spec(DEFAULT_SPEC, ["STEPS=2"]), tmp_path, "default", only=["is=sequence_mask"],
+                     log=lines.append)
+    assert doc["ok"] and doc["cells"][0]["attribution_detail"][0]["status"] == "confirmed"
+    assert any("could not be kept for --resume" in line and "No space left" in line for line in lines)

@@ -54,7 +54,7 @@ def main() -> None:
     variants = [(False, True, False), (True, False, False), (True, True, False), (True, True, True)]
     for graphs, pack, compiled in variants:
         dec = StaticDecoder(model, eos_ids=eos, pad_id=tok.pad_token_id, dtype="bfloat16", graphs=graphs,
-                            pack_gqa=pack, compile=compiled)
+                            pack_gqa=pack, compile_step=compiled)
         gen = lambda: dec.generate(prompts, max_tokens=args.tokens, temperature=1.0)  # noqa: E731
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -88,7 +88,7 @@ def profile(model, prompts, eos, pad_id, steps: int = 16, compiled: bool = False
 
     from harness.rollouts.fastgen import StaticDecoder
 
-    dec = StaticDecoder(model, eos_ids=eos, pad_id=pad_id, dtype="bfloat16", graphs=False, compile=compiled)
+    dec = StaticDecoder(model, eos_ids=eos, pad_id=pad_id, dtype="bfloat16", graphs=False, compile_step=compiled)
     dec.generate(prompts, max_tokens=steps, temperature=1.0)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         dec.generate(prompts, max_tokens=steps, temperature=1.0)

@@ -2,11 +2,13 @@
 gradient checkpointing, the loss, backward), timed and profiled, kernels grouped by kind.
 
     python tools/train_profile.py [--spec harness/specs/bench.toml] [--rows 16] [--tokens 512] [--prompt 40]
+                                  [--compile-layers]
 
 Prints, per variant, milliseconds per micro-batch, the model FLOPs it did (8 x parameters x tokens with the
-recompute) as a fraction of the measured bf16 matmul rate, then the CUDA profile of the default variant by kind
-(matmul, attention, elementwise, reduction, copy/cast, other) and its largest kernels. Random tokens: the
-arithmetic is the same as on real completions of that length."""
+recompute) as a fraction of the measured bf16 matmul rate, then the CUDA profile of the scratch loop's micro-batch
+(the eager model) by kind (matmul, attention, elementwise, reduction, copy/cast, other) and its largest kernels;
+with --compile-layers, last, the micro-batch with each decoder layer compiled. Random tokens: the arithmetic is
+the same as on real completions of that length."""
 
 from __future__ import annotations
 
@@ -109,15 +111,8 @@ def main() -> None:
                 ("  the same, chunk functions not compiled", loss_alone_eager, 0)]
     for name, fn, flops in variants:
         dt = timed(fn)
-        print(f"{name:52s} {1000 * dt:8.1f} ms  {flops / dt / 1e12:6.1f} TFLOP/s  {flops / dt / rate:6.1%} of matmul")
-    if args.compile_layers:  # what compiled kernels would give (a different rounding from TRL's eager model)
-        t0 = time.perf_counter()
-        for layer in model.model.layers:
-            layer.compile()
-        model.model.norm.compile()
-        dt = timed(micro_batch)
-        print(f"{'  decoder layers compiled (first call ' + format(time.perf_counter() - t0, '.0f') + ' s)':52s} "
-              f"{1000 * dt:8.1f} ms  {8 * n * tokens / dt / 1e12:6.1f} TFLOP/s  {8 * n * tokens / dt / rate:6.1%} of matmul")
+        rates = f"{flops / dt / 1e12:6.1f} TFLOP/s  {flops / dt / rate:6.1%} of matmul" if flops else ""
+        print(f"{name:52s} {1000 * dt:8.1f} ms  {rates}")
     if dev != "cuda":
         return
     torch.cuda.reset_peak_memory_stats()
@@ -139,6 +134,14 @@ def main() -> None:
         print(f"   {k:12s} {us / 1000:8.1f} ms  {us / busy:6.1%}  {count:6d} kernels")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
         print(f"   {e.self_device_time_total / 1000:8.2f} ms  {e.count:5d}x  [{kind_of(e.key)}] {e.key[:100]}")
+    if args.compile_layers:  # after the profile (which is of the eager model): what compiled layers would give
+        t0 = time.perf_counter()
+        for layer in model.model.layers:
+            layer.compile()
+        model.model.norm.compile()
+        dt = timed(micro_batch)
+        print(f"{'  decoder layers compiled (first call ' + format(time.perf_counter() - t0, '.0f') + ' s)':52s} "
+              f"{1000 * dt:8.1f} ms  {8 * n * tokens / dt / 1e12:6.1f} TFLOP/s  {8 * n * tokens / dt / rate:6.1%} of matmul")
 
 
 if __name__ == "__main__":

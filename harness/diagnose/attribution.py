@@ -4,8 +4,8 @@ The preflight lists what differs between the sides, labelled by the lesson's che
 importance_sampling) or `other:<field>`. One difference: a re-run with it aligned confirms it when the
 divergence disappears. Several at once (the normal case when a loop is ported): `CauseSearch` aligns all of
 them, then finds by delta debugging which are each needed for parity, and gives each confirmed cause its share
-of the gap. Re-runs are cached by the resolved spec within a matrix (`reset_cache` at its start), and a cell's own
-pair serves a re-run that resolves to its spec (`remember`). A difference
+of the gap. Re-runs are cached by the resolved spec within a matrix (`reset_cache` at its start) and kept in its
+folder for `--resume`, and a cell's own pair serves a re-run that resolves to its spec (`own_pair`). A difference
 that the runs show no effect of says why when the harness can tell (`NO_EFFECT_WHY`). A user's own loop goes to
 `explain` instead (the preflight cannot see inside it).
 """
@@ -134,11 +134,39 @@ def _run_key(spec, mode: str) -> str:
     return json.dumps([spec.to_dict(), mode], sort_keys=True, default=str)
 
 
-def remember(spec, mode: str, result: dict) -> None:
-    """A cell's own scratch-against-TRL pair, for the re-runs that resolve to its spec (a toggle aligned on another
-    cell often gives the matched cell's spec): made once, not again."""
+def own_pair(spec, mode: str, make):
+    """A cell's own scratch-against-TRL pair, `make()`, made where the re-runs of other cells find it: a re-run that
+    resolves to its spec (a toggle aligned on another cell often gives the matched cell's spec) waits for it while it
+    runs and takes it once made, instead of making the same pair again."""
+    key = _run_key(spec, mode)
     with _LOCK:
-        _RERUNS.setdefault(_run_key(spec, mode), result)
+        fut = None if key in _INFLIGHT or key in _RERUNS else _INFLIGHT.setdefault(key, concurrent.futures.Future())
+    if fut is None:
+        return make()
+    try:
+        result = make()
+    except WorkerDied as e:  # not a result: whoever waits fails with it (and --resume runs both again)
+        _settle(key, None)
+        fut.set_exception(e)
+        raise
+    except Exception:  # the pair failed: a waiting re-run reads it as failed, as its own would have
+        _settle(key, None)
+        fut.set_result(None)
+        raise
+    except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits stops too
+        _settle(key, None)
+        fut.set_exception(e)
+        raise
+    _settle(key, result)
+    fut.set_result(result)
+    return result
+
+
+def _settle(key: str, result: dict | None) -> None:
+    with _LOCK:
+        if result is not None:
+            _RERUNS.setdefault(key, result)
+        _INFLIGHT.pop(key, None)
 
 
 def reset_cache() -> None:
@@ -188,6 +216,11 @@ class CauseSearch:
                 kept = self.pairs.get(spec, self.mode)
             except Exception:  # noqa: BLE001 - an unreadable entry is no entry: the re-run is made again
                 kept = None
+            except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits for this re-run stops too
+                with _LOCK:
+                    _INFLIGHT.pop(key, None)
+                fut.set_exception(e)
+                raise
         if not mine:
             self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by another cell of this matrix, reused")
             out = known if known is not None else fut.result()
@@ -224,9 +257,12 @@ class CauseSearch:
                     if out is not None:
                         _RERUNS[key] = out
                     _INFLIGHT.pop(key, None)
-            if out is not None and self.pairs:
-                self.pairs.keep(spec, self.mode, out)
             fut.set_result(out)
+            if out is not None and self.pairs:
+                try:
+                    self.pairs.keep(spec, self.mode, out)
+                except (OSError, ValueError, TypeError) as e:  # the re-run stands; a --resume makes it again
+                    self.log(f"    (the re-run could not be kept for --resume: {e})")
         self.results[aligned] = out
         return out
 

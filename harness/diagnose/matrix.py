@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.diagnose.attribution import attribute, remember, reset_cache
+from harness.diagnose.attribution import attribute, own_pair, reset_cache
 from harness.diagnose.backends import InProcess, make_backend
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
@@ -149,9 +149,10 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
     v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
          "expected_cause": cell.expected_cause}
     try:
-        result = backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
-        if tuple(cell.sides) == ("scratch", "trl"):
-            remember(cell.spec, mode, result)
+        def pair():
+            return backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
+
+        result = own_pair(cell.spec, mode, pair) if tuple(cell.sides) == ("scratch", "trl") else pair()
         v["sides"] = list(cell.sides)
         v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
         v["first_divergence"] = result["first_divergence"]

@@ -11,7 +11,7 @@ With TOLERANCE = "calibrated" (lockstep) the scratch side also runs as its noise
 envelope are kept by a content hash of what the scratch side reads (`scratch_key`): cells and re-runs whose
 scratch side is set up alike share one scratch run, also across `--resume`. The attribution's re-runs are kept
 whole there too (`PairResults`, by `pair_key`: the whole spec, the mode and all the code), so a resumed matrix
-makes none of them twice.
+takes the re-runs an earlier run of it made.
 """
 
 from __future__ import annotations

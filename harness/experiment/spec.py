@@ -172,9 +172,10 @@ class Spec:
     GENERATION: str = _f("auto", "How the scratch loop samples when sampler.kind = \"policy\": `hf` (transformers' "
                          "generate, as TRL without vLLM), `static` (harness/rollouts/fastgen.py: a bf16/fp32 inference copy, "
                          "a static KV cache and one CUDA graph per decode step, sampling included), `compiled` (the same "
-                         "with the decode step compiled by torch.compile: ~2x faster on a GPU, ~40 s to compile once per "
-                         "process), or `auto` (compiled on a GPU, hf on CPU). The TRL side always uses its own "
-                         "generation; lockstep replays one recording to both.",
+                         "with the decode step compiled by torch.compile: ~2x faster on a GPU, ~40 s to compile in a "
+                         "process's first round and once more when a round brings a new cache length), or `auto` "
+                         "(compiled on a GPU, hf on CPU). The TRL side always uses its own generation; lockstep replays "
+                         "one recording to both.",
                          choices=("auto", "hf", "static", "compiled"))
     TOP_K: int = _f(0, "Top-k sampling (0 = off).", min=0)
     # --- objective ---

@@ -115,7 +115,7 @@ class StaticDecoder:
     same arithmetic; that is what runs on CPU and in the tests)."""
 
     def __init__(self, policy, *, eos_ids: list[int], pad_id: int, dtype: str, graphs: bool | None = None,
-                 pack_gqa: bool = True, compile: bool | None = None):
+                 pack_gqa: bool = True, compile_step: bool | None = None):
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.net = copy.deepcopy(policy).eval().to(getattr(torch, dtype))
         # accelerate's mixed precision (TRL's bf16=True) replaces the trainer model's `forward` by a closure over
@@ -132,9 +132,9 @@ class StaticDecoder:
         self.device = next(self.net.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.capture_failed = False
-        self.compile = self.device.type == "cuda" if compile is None else compile
+        self.compile_step = self.device.type == "cuda" if compile_step is None else compile_step
         self.compile_failed = False
-        self._compiled = None
+        self._compiled, self._compiled_ok = None, False
         self.last_stats: dict[str, float] = {}
 
     def describe(self) -> str:
@@ -142,7 +142,7 @@ class StaticDecoder:
             words = "static KV cache + CUDA graph"
         else:
             words = "static KV cache (eager: graph capture failed)" if self.capture_failed else "static KV cache (eager)"
-        if self.compile:
+        if self.compile_step:
             return words + ", compiled decode step"
         return words + " (torch.compile failed)" if self.compile_failed else words
 
@@ -153,20 +153,26 @@ class StaticDecoder:
             dst.copy_(src.detach())
 
     def _forward(self, ids, positions, mask, cache, compiled: bool = True):
-        compiled = compiled and self.compile
-        if compiled and self._compiled is None:
-            self._compiled = torch.compile(self.net.forward, dynamic=False)
-        fn = self._compiled if compiled else self.net.forward
-        try:
-            out = fn(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                     use_cache=True, logits_to_keep=1)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager forward computes the same
-            if not compiled:
-                raise
+        kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                      use_cache=True, logits_to_keep=1)
+        if not (compiled and self.compile_step):
+            return self.net.forward(**kwargs).logits[:, -1]
+        if self._compiled is None:
+            # static shapes first; a batch that brings another cache length is compiled once more with a dynamic
+            # one (torch.compile's automatic dynamic shapes), then serves every length
+            self._compiled = torch.compile(self.net.forward)
+        if self._compiled_ok:
+            return self._compiled(**kwargs).logits[:, -1]
+        try:  # the first call compiles: a compiler that fails leaves the eager forward, which computes the same
+            out = self._compiled(**kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - inductor, triton or a C compiler: any of them may be missing
             warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
                           "decoding with the eager forward")
-            self.compile, self.compile_failed = False, True
-            return self._forward(ids, positions, mask, cache, compiled=False)
+            self.compile_step, self.compile_failed = False, True
+            return self.net.forward(**kwargs).logits[:, -1]
+        self._compiled_ok = True
         return out.logits[:, -1]
 
     @torch.no_grad()
@@ -191,7 +197,7 @@ class StaticDecoder:
         ids, pmask = pad_left(prompt_ids, self.pad_id)
         ids, pmask = ids.to(dev), pmask.to(dev).bool()
         B, P = ids.shape
-        L = -(-(P + max_tokens) // CACHE_BUCKET) * CACHE_BUCKET  # a few cache shapes: fewer compiles and captures
+        L = -(-(P + max_tokens) // CACHE_BUCKET) * CACHE_BUCKET  # a few cache shapes: fewer compiles
         cache = FixedCache(self.net.config, B, L, next(self.net.parameters()).dtype, dev)
         eos = torch.tensor(self.eos_ids, device=dev)
 
@@ -239,22 +245,18 @@ class StaticDecoder:
         check_every = 8
         n = max_tokens
         for t in range(max_tokens - 1):
-            if self.graphs and graph is None and t >= 2:  # two eager steps warm up (and compile), then capture
-                graph, ran = self._capture(step)
-                if ran:  # the capture's warm-up was a real step: this one
-                    if t % check_every == check_every - 1 and not bool((~done).any()):
-                        n = t + 1
-                        break
-                    continue
             if graph is not None:
                 graph.replay()
+            elif self.graphs and t >= 2:  # two eager steps warm up (and compile); this one is run, then captured
+                graph = self._capture(step)
             else:
                 step()
-            if t % check_every == check_every - 1 and not bool((~done).any()):
+            if t % check_every == check_every - 1 and bool(done.all()):
                 n = t + 1
                 break
         else:
-            sample()  # the last token: sampled, never fed
+            if max_tokens:
+                sample()  # the last token: sampled, never fed
         self.last_stats = {"decode_steps": n, "batch": B, "prompt_width": P}
         completions = cut_at_eos(tokens[:, :n], self.eos_ids)
         if not logprobs:
@@ -262,25 +264,31 @@ class StaticDecoder:
         return completions, [row[:len(c)] for row, c in zip(logps[:, :n].tolist(), completions)]
 
     def _capture(self, step):
-        """A CUDA graph of `step`, or None when this model's step cannot be captured (then decoding goes on eagerly
-        and says so). Returns (graph, ran): `ran` says the warm-up on the side stream, which torch.cuda.graphs asks
-        for, already ran `step` once for real (so the caller counts it as this step)."""
-        ran = False
+        """Run `step` once for real on a side stream (the warm-up torch.cuda.graphs asks for; it is this decode
+        step), then capture it. Returns the graph, or None when the step cannot be captured: then decoding goes on
+        eagerly and says so. A failure of the warm-up itself is a failure of the step, and propagates."""
         try:
             stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            ran = True
-            torch.cuda.current_stream().wait_stream(stream)
+        except RuntimeError as e:  # no CUDA here
+            self._no_graph(e)
+            step()
+            return None
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        try:  # recording runs nothing: a failed capture leaves the decode state as the warm-up left it
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
-            return graph, ran
+            return graph
         except RuntimeError as e:  # a model whose forward cannot be captured: decode eagerly, say so
-            warnings.warn(f"CUDA graph capture failed ({str(e)[:200]}); decoding eagerly from here on")
-            self.graphs, self.capture_failed = False, True
-            return None, ran
+            self._no_graph(e)
+            return None
+
+    def _no_graph(self, e: Exception) -> None:
+        warnings.warn(f"CUDA graph capture failed ({str(e)[:200]}); decoding eagerly from here on")
+        self.graphs, self.capture_failed = False, True
 
 
 def static_decoder_for(spec, policy, eos_ids: list[int], pad_id: int, device: str) -> StaticDecoder | None:
@@ -288,7 +296,7 @@ def static_decoder_for(spec, policy, eos_ids: list[int], pad_id: int, device: st
     kind = spec.decoder(device.startswith("cuda"))
     if kind == "hf":
         return None
-    return StaticDecoder(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=spec.DTYPE, compile=kind == "compiled")
+    return StaticDecoder(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=spec.DTYPE, compile_step=kind == "compiled")
 
 
 def sample_policy(decoder: StaticDecoder | None, spec, policy, prompt_ids, *, eos_ids, pad_id, device):
