@@ -139,34 +139,47 @@ def own_pair(spec, mode: str, make):
     resolves to its spec (a toggle aligned on another cell often gives the matched cell's spec) waits for it while it
     runs and takes it once made, instead of making the same pair again."""
     key = _run_key(spec, mode)
-    with _LOCK:
-        fut = None if key in _INFLIGHT or key in _RERUNS else _INFLIGHT.setdefault(key, concurrent.futures.Future())
-    if fut is None:
+    _, fut, mine = _claim(key)
+    if not mine:  # the same pair is made or known already: the cell still makes its own, in its own folder
         return make()
     try:
         result = make()
     except WorkerDied as e:  # not a result: whoever waits fails with it (and --resume runs both again)
-        _settle(key, None)
-        fut.set_exception(e)
+        _settle(key, fut, error=e)
         raise
     except Exception:  # the pair failed: a waiting re-run reads it as failed, as its own would have
-        _settle(key, None)
-        fut.set_result(None)
+        _settle(key, fut)
         raise
     except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits stops too
-        _settle(key, None)
-        fut.set_exception(e)
+        _settle(key, fut, error=e)
         raise
-    _settle(key, result)
-    fut.set_result(result)
+    _settle(key, fut, result)
     return result
 
 
-def _settle(key: str, result: dict | None) -> None:
+def _claim(key: str) -> tuple[dict | None, concurrent.futures.Future | None, bool]:
+    """Who makes the pair `key`: (its result when made earlier, the future of the one being made, whether this
+    caller makes it). "Mine" registers a future that callers after it wait on until `_settle`."""
+    with _LOCK:
+        known, fut = _RERUNS.get(key), _INFLIGHT.get(key)
+        mine = known is None and fut is None
+        if mine:
+            fut = _INFLIGHT[key] = concurrent.futures.Future()
+        return known, fut, mine
+
+
+def _settle(key: str, fut: concurrent.futures.Future, result: dict | None = None,
+            error: BaseException | None = None) -> None:
+    """The pair `key` claimed with `fut` is made (`result`; None when it failed) or was stopped (`error`): keep the
+    result, and tell whoever waits."""
     with _LOCK:
         if result is not None:
             _RERUNS.setdefault(key, result)
         _INFLIGHT.pop(key, None)
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def reset_cache() -> None:
@@ -203,13 +216,7 @@ class CauseSearch:
         spec = apply_alignment(self.spec, align)
         key = _run_key(spec, self.mode)
         name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))
-        with _LOCK:
-            known, fut = _RERUNS.get(key), _INFLIGHT.get(key)
-            mine = known is None and fut is None
-            if mine:  # this cell makes it; another cell asking meanwhile waits for it (no run made twice)
-                fut = _INFLIGHT[key] = concurrent.futures.Future()
-            else:
-                self.reused += 1
+        known, fut, mine = _claim(key)  # this cell makes it, or waits for the cell making it (no run made twice)
         kept = None
         if mine and self.pairs:
             try:  # made by an earlier run of this matrix (before a --resume)
@@ -217,23 +224,20 @@ class CauseSearch:
             except Exception:  # noqa: BLE001 - an unreadable entry is no entry: the re-run is made again
                 kept = None
             except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits for this re-run stops too
-                with _LOCK:
-                    _INFLIGHT.pop(key, None)
-                fut.set_exception(e)
+                _settle(key, fut, error=e)
                 raise
-        if not mine:
-            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by another cell of this matrix, reused")
-            out = known if known is not None else fut.result()
-            if out is None:
-                self.errors.append("the same re-run failed in another cell of this matrix")
-        elif kept is not None:
-            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by an earlier run of this matrix, reused")
-            out = kept
+        if not mine or kept is not None:
             with _LOCK:
                 self.reused += 1
-                _RERUNS[key] = out
-                _INFLIGHT.pop(key, None)
-            fut.set_result(out)
+            where = "another cell of this matrix" if not mine else "an earlier run of this matrix"
+            self.log(f"    re-run with {', '.join(sorted(aligned))} aligned: made by {where}, reused")
+            if mine:
+                out = kept
+                _settle(key, fut, kept)
+            else:
+                out = known if known is not None else fut.result()
+            if out is None:
+                self.errors.append("the same re-run failed in another cell of this matrix")
         else:
             with _LOCK:
                 self.reruns += 1
@@ -245,19 +249,14 @@ class CauseSearch:
                 out = self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
                                             store=self.store)
             except WorkerDied as e:  # not a result: the cell fails and --resume runs it again
-                fut.set_exception(e)
+                _settle(key, fut, error=e)
                 raise
             except Exception as e:  # a failing re-run must not sink the cell
                 self.errors.append(f"{type(e).__name__}: {e}")
             except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits for this re-run stops too
-                fut.set_exception(e)
+                _settle(key, fut, error=e)
                 raise
-            finally:
-                with _LOCK:
-                    if out is not None:
-                        _RERUNS[key] = out
-                    _INFLIGHT.pop(key, None)
-            fut.set_result(out)
+            _settle(key, fut, out)
             if out is not None and self.pairs:
                 try:
                     self.pairs.keep(spec, self.mode, out)
