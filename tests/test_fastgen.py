@@ -239,6 +239,38 @@ def test_sampler_descriptions_and_construction_from_the_spec():
     assert isinstance(built, EmulatedSampler) and built.describe() == describe_sampler(emulated)
 
 
+def test_emulated_sampler_decodes_through_the_static_decoder_where_generation_asks():
+    """GENERATION = "static" (a GPU's default is the compiled one): the emulated sampler puts its noise into the
+    decoder's copy (the same draws as transformers' path, which keeps its own copy), samples through that decoder,
+    and reports each sampled token's log-prob from the decode: equal to a full forward pass of its noised weights,
+    and apart from the unnoised policy's. `auto` on CPU keeps transformers' generate."""
+    from harness.rollouts.generate import score_completions
+    from harness.rollouts.samplers import EmulatedSampler
+
+    model, tok, eos, prompts = _model_and_prompts()
+    noisy = ('sampler.kind="emulated"', "sampler.noise_scale=0.05")
+    fast = EmulatedSampler(small_spec(*noisy, 'GENERATION="static"'), model, eos, tok.pad_token_id, "cpu")
+    slow = EmulatedSampler(small_spec(*noisy), model, eos, tok.pad_token_id, "cpu")
+    assert fast.decoder is not None and fast.model is fast.decoder.net and slow.decoder is None
+    assert fast.describe() == "emulated sampler (noise 0.05 x tensor std); static KV cache (eager)"
+    for _ in range(2):  # the second sync draws new noise, the same on both paths
+        fast.sync_weights(model)
+        slow.sync_weights(model)
+    for (name, a), b, w in zip(fast.model.named_parameters(), slow.model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    moved = max(((a - w).norm() / w.norm()).item() for a, w in zip(fast.model.parameters(), model.parameters()))
+    assert 0.01 < moved < 0.2
+    torch.manual_seed(5)
+    completions, logps = fast.generate(prompts)
+    assert len(completions) == len(prompts) and [len(c) for c in completions] == [len(lp) for lp in logps]
+    torch.manual_seed(5)
+    assert (completions, logps) == fast.decoder.generate(prompts, max_tokens=fast.spec.MAX_TOKENS, temperature=1.0)
+    own = score_completions(slow.model, prompts, completions, pad_id=tok.pad_token_id, temperature=1.0, device="cpu")
+    policy = score_completions(model, prompts, completions, pad_id=tok.pad_token_id, temperature=1.0, device="cpu")
+    gap = lambda ref: max(abs(a - b) for ra, rb in zip(logps, ref) for a, b in zip(ra, rb))  # noqa: E731
+    assert gap(own) < 1e-5 < 1e-2 < gap(policy)
+
+
 def test_generation_choice_picks_the_decoder():
     """GENERATION: auto is transformers' generate on CPU and the compiled decoder on a GPU; static and compiled are
     what they say on any device."""

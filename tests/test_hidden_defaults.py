@@ -153,6 +153,26 @@ def test_both_sides_picking_up_the_same_default_is_a_note(qwen_dir, tmp_path):
     assert diffs == [] and (note.scratch, note.trl) == (0.05, 0.05) and "both sides sample with it" in note.why
 
 
+@pytest.mark.parametrize("generation", ["auto", "static"])
+def test_the_emulated_sampler_samples_alike_on_both_sides(qwen_dir, tmp_path, generation):
+    """The emulated sampler fills TRL's vLLM slot and samples for the scratch side too: through generate (CPU's
+    auto: both pick up the checkpoint's min_p) or through the static decoder (neither applies it); a note either way."""
+    from harness.diagnose.preflight import _scratch_sampling, _trl_sampling
+
+    spec = local(variant(qwen_dir, tmp_path / "ck", generation={"min_p": 0.05}), 'sampler.kind="emulated"',
+                 f'GENERATION="{generation}"')
+    path = "hf" if generation == "auto" else "static"
+    assert _scratch_sampling(spec)[0] == _trl_sampling(spec, None)[0] == path
+    diffs, facts, _ = facts_of(spec)
+    assert [d.check for d in diffs if d.check.startswith("other:")] == []
+    note = facts[("note", "other:min_p", "scratch")]
+    if path == "hf":
+        assert (note.scratch, note.trl) == (0.05, 0.05) and "both sides sample with it" in note.why
+    else:
+        assert (note.scratch, note.trl) == (0.0, 0.0) and "shadowed on both sides" in note.why
+        assert "emulated sampler, on the static-cache decoder" in note.why
+
+
 # ---------------------------------------------------------------------------------------------
 # dropout against TRL's disable_dropout
 # ---------------------------------------------------------------------------------------------

@@ -127,15 +127,17 @@ def test_lesson_spec_translates_and_naive_halves_the_prompts():
     assert matched.kwargs["use_vllm"] and matched.kwargs["vllm_gpu_memory_utilization"] == 0.30
 
 
-def test_emulated_sampler_drives_trls_own_importance_sampling(tmp_path):
+@pytest.mark.parametrize("generation", ["auto", "static"])  # CPU: transformers' generate, or the static-cache decoder
+def test_emulated_sampler_drives_trls_own_importance_sampling(tmp_path, generation):
     means = {}
     for noise in (0.0, 0.01, 0.1):
         spec = small_spec("STEPS=3", 'sampler.kind="emulated"', f"sampler.noise_scale={noise}",
-                          "IS_CORRECTION=true", 'IS_MODE="token_truncate"')
+                          "IS_CORRECTION=true", 'IS_MODE="token_truncate"', f'GENERATION="{generation}"')
         out = tmp_path / f"on{noise}"
         train_trl(spec, out, progress=False)
         df = read_run(out)
         assert df.attrs["manifest"]["sampler"].startswith("emulated sampler")
+        assert df.attrs["manifest"]["sampler"].endswith("static KV cache (eager)") == (generation == "static")
         means[noise] = df["sampling/sampling_logp_difference/mean"].mean()
         assert {"sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max"} <= set(df.columns)
         spread = (df["sampling/importance_sampling_ratio/max"] - df["sampling/importance_sampling_ratio/min"]).mean()
@@ -147,10 +149,12 @@ def test_emulated_sampler_drives_trls_own_importance_sampling(tmp_path):
     assert not [c for c in read_run(tmp_path / "off").columns if c.startswith("sampling/")]
 
 
-def test_scratch_importance_sampling_metrics_grow_with_mismatch(tmp_path):
+@pytest.mark.parametrize("generation", ["auto", "static"])
+def test_scratch_importance_sampling_metrics_grow_with_mismatch(tmp_path, generation):
     diffs = []
     for noise in (0.0, 0.1):
-        spec = small_spec("STEPS=2", 'sampler.kind="emulated"', f"sampler.noise_scale={noise}", "IS_CORRECTION=true")
+        spec = small_spec("STEPS=2", 'sampler.kind="emulated"', f"sampler.noise_scale={noise}", "IS_CORRECTION=true",
+                          f'GENERATION="{generation}"')
         train_scratch(spec, tmp_path / str(noise), progress=False)
         df = read_run(tmp_path / str(noise))
         diffs.append(df["mismatch/logp_diff/mean"].mean())

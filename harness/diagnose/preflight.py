@@ -259,18 +259,29 @@ def _read_json(path: Path) -> tuple[dict | None, str | None]:
     return data, None
 
 
+def _cuda(spec) -> bool:
+    if spec.DEVICE == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return spec.DEVICE == "cuda"
+
+
+def _emulated_sampling(spec) -> tuple[str, str]:
+    """The emulated sampler's path (either side): the static-cache decoder where GENERATION resolves to it."""
+    if spec.decoder(_cuda(spec)) != "hf":
+        return "static", ("the emulated sampler, on the static-cache decoder (harness/rollouts/fastgen.py: "
+                          "temperature, top_k and top_p only)")
+    return "hf", "the emulated sampler (transformers' generate, harness/rollouts/generate.py's GenerationConfig)"
+
+
 def _scratch_sampling(spec) -> tuple[str, str]:
     """How the scratch loop (and the lockstep recorder) draws completions: (path, words)."""
     if spec.sampler.kind == "vllm":
         return "vllm", "the harness's vLLM sampler (SamplingParams with the spec's temperature, top_p, top_k only)"
     if spec.sampler.kind == "emulated":
-        return "hf", "the emulated sampler (transformers' generate, harness/rollouts/generate.py's GenerationConfig)"
-    cuda = spec.DEVICE == "cuda"
-    if spec.DEVICE == "auto":
-        import torch
-
-        cuda = torch.cuda.is_available()
-    if spec.decoder(cuda) != "hf":
+        return _emulated_sampling(spec)
+    if spec.decoder(_cuda(spec)) != "hf":
         return "static", "its static-cache decoder (harness/rollouts/fastgen.py: temperature, top_k and top_p only)"
     return "hf", "transformers' generate (harness/rollouts/generate.py's GenerationConfig)"
 
@@ -278,7 +289,8 @@ def _scratch_sampling(spec) -> tuple[str, str]:
 def _trl_sampling(spec, cfg) -> tuple[str, str]:
     """How the TRL side draws completions when it samples itself: (path, words)."""
     if spec.sampler.kind == "emulated":
-        return "hf", "the harness's emulated sampler in TRL's vLLM slot (harness/rollouts/generate.py's GenerationConfig)"
+        path, words = _emulated_sampling(spec)
+        return path, words.replace("the emulated sampler", "the harness's emulated sampler in TRL's vLLM slot", 1)
     if cfg.use_vllm:
         return "trl-vllm", "vLLM with TRL's SamplingParams (trl/generation/vllm_generation.py)"
     return "trl-hf", "transformers' generate (TRL's GenerationConfig, trl/trainer/grpo_trainer.py)"

@@ -169,13 +169,14 @@ class Spec:
     TEMPERATURE: float = _f(1.0, "Sampling temperature; log-probs are computed on logits / TEMPERATURE, as TRL does.",
                             min=0.0, min_exclusive=True, max=100.0)
     TOP_P: float = _f(1.0, "Nucleus sampling mass.", min=0.0, min_exclusive=True, max=1.0)
-    GENERATION: str = _f("auto", "How the scratch loop samples when sampler.kind = \"policy\": `hf` (transformers' "
+    GENERATION: str = _f("auto", "How the scratch loop samples when sampler.kind = \"policy\", and how the emulated "
+                         "sampler samples on either side: `hf` (transformers' "
                          "generate, as TRL without vLLM), `static` (harness/rollouts/fastgen.py: a bf16/fp32 inference copy, "
                          "a static KV cache and one CUDA graph per decode step, sampling included), `compiled` (the same "
                          "with the decode step compiled by torch.compile: ~2x faster on a GPU, ~40 s to compile in a "
                          "process's first round and once more when a round brings a new cache length), or `auto` "
-                         "(compiled on a GPU, hf on CPU). The TRL side always uses its own generation; lockstep replays "
-                         "one recording to both.",
+                         "(compiled on a GPU, hf on CPU). Without an emulated sampler the TRL side samples with its own "
+                         "generation; lockstep replays one recording to both.",
                          choices=("auto", "hf", "static", "compiled"))
     TOP_K: int = _f(0, "Top-k sampling (0 = off).", min=0)
     # --- objective ---

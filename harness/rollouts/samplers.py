@@ -7,6 +7,11 @@ It is a second copy of the policy that differs from the trainer in a controlled,
   lower-precision inference engine opens.
 It samples completions and reports its own per-token log-probs (on logits / temperature, i.e.
 vLLM's processed log-probs when top_p = 1 and top_k = 0), which is what the IS correction needs.
+Where `GENERATION` resolves to the static-cache decoder (a GPU, by default) the copy is that decoder's
+inference copy (harness/rollouts/fastgen.py: every weight in the compute dtype, as an inference engine
+holds them) and the log-probs come from the decode itself; elsewhere transformers' generate samples and
+one forward pass scores. On a GPU the first path keeps an IS cell's generation as fast as the policy's own
+(at the lesson's batch on an H200: 3.3 ms a decode step compiled, 117 ms through transformers' generate).
 Runs that use it are labelled `emulated sampler` in manifests and reports.
 """
 
@@ -23,31 +28,44 @@ class EmulatedSampler:
     label = "emulated sampler"
 
     def __init__(self, spec, policy, eos_ids: list[int], pad_id: int, device: str):
+        from harness.rollouts.fastgen import static_decoder_for
+
         self.spec, self.eos_ids, self.pad_id, self.device = spec, eos_ids, pad_id, device
-        self.model = copy.deepcopy(policy).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self.decoder = static_decoder_for(spec, policy, eos_ids, pad_id, device)
+        if self.decoder is not None:  # the noise goes into the decoder's own copy
+            self.model = self.decoder.net
+        else:
+            self.model = copy.deepcopy(policy).eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.syncs = 0
 
     def describe(self) -> str:
+        if self.decoder is not None:
+            return f"{describe_sampler(self.spec)}; {self.decoder.describe()}"
         return describe_sampler(self.spec)
 
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
-        """Copy the trainer's current weights, then apply the stated difference."""
+        """Copy the trainer's current weights, then apply the stated difference. The noise is drawn on the
+        sampler's device from a generator seeded by (SEED, sync count): the same draws on every run there."""
         s = self.spec.sampler
-        g = torch.Generator().manual_seed(self.spec.SEED * 1_000_003 + self.syncs)
+        dev = next(self.model.parameters()).device
+        g = torch.Generator(device=dev).manual_seed(self.spec.SEED * 1_000_003 + self.syncs)
         self.syncs += 1
         for (name, dst), src in zip(self.model.named_parameters(), policy.parameters(), strict=True):
-            w = src.detach().float().cpu()
+            w = src.detach().to(dev, torch.float32)
             if s.emulation == "bfloat16":
                 w = w.to(torch.bfloat16).float()
             elif s.noise_scale > 0 and w.numel() > 1:
-                w = w + torch.randn(w.shape, generator=g) * (s.noise_scale * w.std())
-            dst.copy_(w.to(dst.device, dst.dtype))
+                w = w + torch.randn(w.shape, generator=g, device=dev) * (s.noise_scale * w.std())
+            dst.copy_(w)
 
     def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         spec = self.spec
+        if self.decoder is not None:
+            return self.decoder.generate(prompt_ids, max_tokens=spec.MAX_TOKENS, temperature=spec.TEMPERATURE,
+                                         top_p=spec.TOP_P, top_k=spec.TOP_K, logprobs=True)
         completions = generate_completions(
             self.model, prompt_ids, eos_ids=self.eos_ids, pad_id=self.pad_id, max_tokens=spec.MAX_TOKENS,
             temperature=spec.TEMPERATURE, top_p=spec.TOP_P, top_k=spec.TOP_K, device=self.device, dtype=spec.DTYPE)
