@@ -145,3 +145,34 @@ def test_a_rerun_that_cannot_be_kept_still_serves_its_cell(tmp_path, monkeypatch
                      log=lines.append)
     assert doc["ok"] and doc["cells"][0]["attribution_detail"][0]["status"] == "confirmed"
     assert any("could not be kept for --resume" in line and "No space left" in line for line in lines)
+
+
+def test_a_scratch_run_whose_twin_was_cut_off_is_kept_and_only_the_twin_runs_again(tmp_path, monkeypatch):
+    """The scratch run is kept in the store as soon as it finishes: a cut in its noise twin (or in the other side)
+    leaves it, and the next make_scratch (a resumed matrix) copies it and makes only the twin. Until the twin is
+    there the entry is not whole, so a parallel cell still waits for the run that makes it."""
+    import scratch_grpo.train as scratch_train
+    from harness.diagnose import noise, pairs
+
+    spec = load_spec("harness/specs/default.toml", ["STEPS=2"])
+    store = pairs.ScratchStore(tmp_path / SHARED_DIR)
+    real, calls = scratch_train.train, []
+
+    def cut_twin(*args, noise_twin=False, **kwargs):
+        calls.append(noise_twin)
+        if noise_twin and calls.count(True) == 1:
+            raise KeyboardInterrupt("SIGTERM")
+        return real(*args, noise_twin=noise_twin, **kwargs)
+
+    monkeypatch.setattr(scratch_train, "train", cut_twin)
+    try:
+        pairs.make_scratch(spec, tmp_path / "a", store=store)
+    except KeyboardInterrupt:
+        pass
+    assert calls == [False, True]
+    assert (store.entry(spec) / "scratch").is_dir() and not store.has(spec)  # kept, not whole
+    first = (store.entry(spec) / "scratch" / "metrics.jsonl").read_text()
+    pairs.make_scratch(spec, tmp_path / "b", store=store)
+    assert calls == [False, True, True]  # the twin alone
+    assert store.has(spec) and (store.entry(spec) / noise.NOISE_FILE).exists()
+    assert (tmp_path / "b" / "scratch" / "metrics.jsonl").read_text() == first

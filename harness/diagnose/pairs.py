@@ -92,14 +92,17 @@ class ScratchStore:
         return self.root / scratch_key(spec)
 
     def has(self, spec) -> bool:
-        return (self.entry(spec) / "scratch").is_dir()
+        """A whole entry: the scratch run, and its noise envelope where the spec's tolerance asks for one (an entry
+        without it is a scratch run whose twin was cut off: `fetch` takes it, then the twin is made)."""
+        e = self.entry(spec)
+        return (e / "scratch").is_dir() and (spec.TOLERANCE != "calibrated" or (e / noise.NOISE_FILE).exists())
 
     def fetch(self, spec, out_dir: Path) -> bool:
         """Copy a stored scratch run into out_dir (scratch/, rollouts, envelope); False when there is none."""
         from harness.rollouts.lockstep import ROLLOUTS_FILE
 
         src = self.entry(spec)
-        if not self.has(spec):
+        if not (src / "scratch").is_dir():
             return False
         if (out_dir / "scratch").exists():
             shutil.rmtree(out_dir / "scratch")
@@ -248,6 +251,8 @@ def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | Non
         train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
         source.release()
         records = source.records
+        if store is not None:  # kept now: a cut in its twin or in the other side leaves it to --resume
+            store.keep(spec, out_dir)
     envelope = None
     if spec.TOLERANCE == "calibrated":
         envelope = noise.load(out_dir)
