@@ -557,8 +557,8 @@ def exit_for(e: BaseException) -> tuple[int, str]:
         return 2, f"error: {one_line(e)}"
     if isinstance(e, KeyboardInterrupt):
         return 3, (f"interrupted ({one_line(e) or 'Ctrl-C'}); finished steps are in the metric logs; `python -m "
-                   "harness parity --resume DIR` keeps a parity run's finished cells and stored scratch runs, and runs "
-                   "the rest of a cut-off cell again from its first step")
+                   "harness parity --resume DIR` keeps a parity run's finished cells, stored scratch runs and "
+                   "re-runs, and runs the rest of a cut-off cell again from its first step")
     if isinstance(e, FloatingPointError):
         return 3, f"run failed: {one_line(e)}; the metric log keeps every step up to it"
     if isinstance(e, MemoryError) or "OutOfMemoryError" in names:

@@ -30,12 +30,14 @@ def test_emulated_is_on_gpu(tmp_path):
     assert "sampling/importance_sampling_ratio/mean" in result["metrics"]
 
 
-def test_emulated_sampler_decodes_on_the_compiled_decoder_on_gpu():
+def test_emulated_sampler_decodes_on_the_compiled_decoder_on_gpu(monkeypatch):
     """On a GPU (GENERATION auto) the emulated sampler samples through the compiled static-cache decoder, its noise
-    drawn there: the same draws for the same (SEED, sync count), the weights moved by about the stated scale."""
+    drawn there (no trip through the CPU): the same draws for the same (SEED, sync count), the weights moved by
+    about the stated scale, and each sampled token's log-prob that of its own noised weights."""
     import torch
 
     from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+    from harness.rollouts.generate import score_completions
     from harness.rollouts.samplers import EmulatedSampler
 
     spec = small_spec('DEVICE="cuda"', 'DTYPE="bfloat16"', 'sampler.kind="emulated"', "sampler.noise_scale=0.05")
@@ -44,11 +46,40 @@ def test_emulated_sampler_decodes_on_the_compiled_decoder_on_gpu():
     eos = eos_token_ids(model.generation_config, tok)
     a, b = (EmulatedSampler(spec, model, eos, tok.pad_token_id, "cuda") for _ in range(2))
     assert a.decoder is not None and a.decoder.compile_step and a.describe().endswith("compiled decode step")
+    real_randn, devices = torch.randn, set()
+
+    def randn(*args, **kwargs):
+        devices.add(str(kwargs.get("device")))
+        return real_randn(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", randn)
     a.sync_weights(model)
     b.sync_weights(model)
+    monkeypatch.setattr(torch, "randn", real_randn)
+    assert devices == {"cuda:0"}, devices
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     moved = max(((x.float() - w).norm() / w.norm()).item() for x, w in zip(a.model.parameters(), model.parameters()))
     assert 0.01 < moved < 0.2, moved
     prompts = [tok("What is 3 + 4 ?")["input_ids"]] * 8
     completions, logps = a.generate(prompts)
     assert [len(c) for c in completions] == [len(lp) for lp in logps] and all(x <= 0 for lp in logps for x in lp)
+    # a plain copy holding the sampler's (noised, bf16) weights scores the same tokens under autocast
+    ref = load_model(ckpt, "float32", "cuda")
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), a.model.parameters(), strict=True):
+            p.copy_(q.float())
+    own = score_completions(ref, prompts, completions, pad_id=tok.pad_token_id, temperature=spec.TEMPERATURE,
+                            device="cuda", dtype="bfloat16")
+    gaps = [abs(x - y) for rx, ry in zip(logps, own) for x, y in zip(rx, ry)]
+    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.01, (max(gaps), sum(gaps) / len(gaps))
+
+
+def test_deterministic_switch_gives_identical_reruns_on_gpu(tmp_path):
+    from harness.runlog.log import TIMING_FIELDS, read_metrics
+    from scratch_grpo.train import train
+
+    spec = small_spec("STEPS=4", 'DEVICE="cuda"', 'DTYPE="bfloat16"', "DETERMINISTIC=true")
+    train(spec, tmp_path / "a", progress=False)
+    train(spec, tmp_path / "b", progress=False)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "a" / "metrics.jsonl")[0]) == strip(read_metrics(tmp_path / "b" / "metrics.jsonl")[0])

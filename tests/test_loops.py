@@ -157,6 +157,7 @@ def test_scratch_importance_sampling_metrics_grow_with_mismatch(tmp_path, genera
                           f'GENERATION="{generation}"')
         train_scratch(spec, tmp_path / str(noise), progress=False)
         df = read_run(tmp_path / str(noise))
+        assert df.attrs["manifest"]["generation"].endswith("static KV cache (eager)") == (generation == "static")
         diffs.append(df["mismatch/logp_diff/mean"].mean())
         assert df["mismatch/token_mult_prob_error"].min() >= 1.0
     assert diffs[0] < 1e-6 < diffs[1]

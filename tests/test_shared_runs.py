@@ -7,6 +7,8 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import DEFAULT_SPEC
 from harness.diagnose.matrix import build_cells, run_matrix
 from harness.diagnose.pairs import SCRATCH_BLIND, SCRATCH_CODE, SHARED_DIR, scratch_key
@@ -165,14 +167,15 @@ def test_a_scratch_run_whose_twin_was_cut_off_is_kept_and_only_the_twin_runs_aga
         return real(*args, noise_twin=noise_twin, **kwargs)
 
     monkeypatch.setattr(scratch_train, "train", cut_twin)
-    try:
+    with pytest.raises(KeyboardInterrupt):
         pairs.make_scratch(spec, tmp_path / "a", store=store)
-    except KeyboardInterrupt:
-        pass
     assert calls == [False, True]
     assert (store.entry(spec) / "scratch").is_dir() and not store.has(spec)  # kept, not whole
-    first = (store.entry(spec) / "scratch" / "metrics.jsonl").read_text()
+    kept = store.entry(spec) / "scratch" / "metrics.jsonl"
+    first, inode = kept.read_text(), kept.stat().st_ino
     pairs.make_scratch(spec, tmp_path / "b", store=store)
     assert calls == [False, True, True]  # the twin alone
     assert store.has(spec) and (store.entry(spec) / noise.NOISE_FILE).exists()
+    assert kept.stat().st_ino == inode  # the envelope was added to the entry: the run in it never left
+    assert not [p.name for p in store.root.iterdir() if p.name.startswith(".")]  # nothing left aside
     assert (tmp_path / "b" / "scratch" / "metrics.jsonl").read_text() == first

@@ -82,7 +82,8 @@ def pair_key(spec, mode: str) -> str:
 
 class ScratchStore:
     """Scratch runs kept by `scratch_key` under `root`: each entry holds `scratch/`, the recording and, once a
-    calibrated pair made it, the noise envelope. Entries appear whole (built aside, then renamed)."""
+    calibrated pair made it, the noise envelope. An entry appears as soon as its scratch run finishes (built aside,
+    then renamed); its envelope is added to it later (one file, written aside, then renamed)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -113,13 +114,24 @@ class ScratchStore:
         return True
 
     def keep(self, spec, out_dir: Path) -> None:
-        """Store out_dir's scratch run (and its recording and envelope), replacing an entry without an envelope."""
+        """Store out_dir's scratch run (and its recording and envelope). An entry without an envelope gets out_dir's
+        when both hold the same recording (the twin of that very run), else is replaced by a whole one; a whole
+        entry is never replaced."""
+        import filecmp
+
         from harness.rollouts.lockstep import ROLLOUTS_FILE
 
         dst = self.entry(spec)
-        if (dst / noise.NOISE_FILE).exists() or ((dst / "scratch").is_dir() and not (out_dir / noise.NOISE_FILE).exists()):
+        has_envelope = (out_dir / noise.NOISE_FILE).exists()
+        if (dst / noise.NOISE_FILE).exists() or ((dst / "scratch").is_dir() and not has_envelope):
             return
         me = f"{socket.gethostname()}.{os.getpid()}"  # unique across the nodes of a cluster
+        if (dst / "scratch").is_dir() and (dst / ROLLOUTS_FILE).exists() and (out_dir / ROLLOUTS_FILE).exists() \
+                and filecmp.cmp(dst / ROLLOUTS_FILE, out_dir / ROLLOUTS_FILE, shallow=False):
+            aside = dst / f".{noise.NOISE_FILE}.{me}.tmp"
+            shutil.copy2(out_dir / noise.NOISE_FILE, aside)
+            os.replace(aside, dst / noise.NOISE_FILE)  # the entry stays whole at every moment
+            return
         tmp = self.root / f".{dst.name}.{me}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -130,6 +142,9 @@ class ScratchStore:
                 shutil.copy2(out_dir / name, tmp / name)
         old = dst.with_name(f".{dst.name}.{me}.old")
         if dst.exists():
+            if (dst / noise.NOISE_FILE).exists() or not has_envelope:  # stored whole meanwhile: it serves
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
             dst.rename(old)
         try:
             tmp.rename(dst)

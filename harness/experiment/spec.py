@@ -289,7 +289,8 @@ class Spec:
         return -(-self.STEPS // (self.STEPS_PER_GENERATION * self.NUM_ITERATIONS))
 
     def decoder(self, cuda: bool) -> str:
-        """How the scratch loop samples on this device: `hf`, `static` or `compiled` (GENERATION's `auto` resolved)."""
+        """How the scratch loop (and the emulated sampler) samples on this device: `hf`, `static` or `compiled`
+        (GENERATION's `auto` resolved)."""
         if self.GENERATION == "auto":
             return "compiled" if cuda else "hf"
         return self.GENERATION

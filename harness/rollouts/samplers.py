@@ -3,15 +3,17 @@
 It is a second copy of the policy that differs from the trainer in a controlled, stated way:
 - `noise`: every floating tensor gets seeded Gaussian noise of std `noise_scale` x that tensor's
   std, redrawn at every weight sync (the noise is seeded by (SEED, sync count));
-- `bfloat16`: the weights rounded to bf16 (computation in fp32 again), the kind of gap a
-  lower-precision inference engine opens.
+- `bfloat16`: the weights rounded to bf16 (computation in fp32 again, on transformers' path), the
+  kind of gap a lower-precision inference engine opens.
 It samples completions and reports its own per-token log-probs (on logits / temperature, i.e.
 vLLM's processed log-probs when top_p = 1 and top_k = 0), which is what the IS correction needs.
 Where `GENERATION` resolves to the static-cache decoder (a GPU, by default) the copy is that decoder's
 inference copy (harness/rollouts/fastgen.py: every weight in the compute dtype, as an inference engine
 holds them) and the log-probs come from the decode itself; elsewhere transformers' generate samples and
-one forward pass scores. On a GPU the first path keeps an IS cell's generation as fast as the policy's own
-(at the lesson's batch on an H200: 3.3 ms a decode step compiled, 117 ms through transformers' generate).
+one forward pass scores. In bf16 the first path's difference from the trainer is the stated one plus the
+copy's rounding (the trainer keeps fp32 weights under autocast), and `bfloat16` adds nothing to it. On a
+GPU it is expected to make an IS cell's generation as fast as the policy's own (at the lesson's batch on
+an H200: 3.3 ms a decode step compiled, 117 ms through transformers' generate; not yet measured here).
 Runs that use it are labelled `emulated sampler` in manifests and reports.
 """
 
