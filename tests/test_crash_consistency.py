@@ -8,7 +8,8 @@ confirmation re-run), 3-13 s on 2 cores. Its phases, told apart by the files it 
 An uninterrupted run (the second of two: the first pays the one-time costs) measures each phase. Then 5 chains
 of 4 kills each: chain c kills once in every phase but c, in order; a kill lands at a seeded random fraction of
 the phase's measured length after the phase starts. After a kill the next process is `--resume DIR` (a fresh
-`--spec` run where the kill left no verdict.json, or where a resume would not pass through the next target),
+`--spec` run where the kill left no verdict.json, or where a resume would not pass through the next target: in an
+emptied folder when the target is the confirmation re-run and an earlier process kept it),
 and it is killed in turn; the chain's last resume runs to the end. A kill that lands past its phase (this run
 went through it faster than the measured one) is checked like any other and its target tried again, sooner. So
 at least 20 kills, at least 4 in each phase, most of them of a resumed run, and 5 resumes to completion, each
@@ -30,6 +31,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +39,7 @@ import time
 from pathlib import Path
 
 from conftest import DEFAULT_SPEC, ROOT
+from harness.diagnose.pairs import SHARED_DIR
 
 KILLS = 20
 CHAINS = 5
@@ -194,16 +197,21 @@ def check_after_kill(out: Path, ref: dict, what: str) -> dict | None:
 
 def reachable(out: Path, target: int) -> bool:
     """Whether `--resume out` passes through phase `target` (else a fresh run must): a resume keeps the cells
-    already finished, so it never enters the phase of a cell it kept."""
+    already finished, so it never enters the phase of a cell it kept, and takes a confirmation re-run an earlier
+    process of this folder finished (kept under shared-scratch/pairs) instead of making it."""
     try:
         doc = json.loads((out / "verdict.json").read_text())
     except FileNotFoundError:
         return True  # nothing to resume: a fresh run, which enters every phase
     if target in (0, PHASES - 1):
         return True
-    if doc["complete"]:
+    if doc["complete"] or (target == 3 and kept_reruns(out)):
         return False
     return target != 1 or doc["cells_done"] == 0
+
+
+def kept_reruns(out: Path) -> list[Path]:
+    return list((out / SHARED_DIR / "pairs").glob("*.json"))
 
 
 def test_sigkill_at_20_moments_then_resume(tmp_path, private_cache):
@@ -242,7 +250,10 @@ def test_sigkill_at_20_moments_then_resume(tmp_path, private_cache):
                         err = logs / f"chain-{c}-resume-refused.log"
                         assert run(server, ["parity", "--resume", str(out)], err, out)[0] == 2
                         assert len(err.read_text().strip().splitlines()) == 1, err.read_text()
-                    argv = ["parity", "--resume", str(out), "--quiet"] if not fresh and reachable(out, target) else \
+                    resume = not fresh and reachable(out, target)
+                    if not resume and target == 3:  # a run in this folder would take the kept re-run: start clean
+                        shutil.rmtree(out, ignore_errors=True)
+                    argv = ["parity", "--resume", str(out), "--quiet"] if resume else \
                         ["parity", "--spec", str(DEFAULT_SPEC), *ARGS, "--out", str(out), "--force"]
                     rc, entered = run(server, argv, log, out, target, offsets)
                     if rc is not None:  # it ended before a late moment in its last phase
