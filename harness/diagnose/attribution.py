@@ -142,19 +142,7 @@ def own_pair(spec, mode: str, make):
     _, fut, mine = _claim(key)
     if not mine:  # the same pair is made or known already: the cell still makes its own, in its own folder
         return make()
-    try:
-        result = make()
-    except WorkerDied as e:  # not a result: whoever waits fails with it (and --resume runs both again)
-        _settle(key, fut, error=e)
-        raise
-    except Exception:  # the pair failed: a waiting re-run reads it as failed, as its own would have
-        _settle(key, fut)
-        raise
-    except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits stops too
-        _settle(key, fut, error=e)
-        raise
-    _settle(key, fut, result)
-    return result
+    return _made(key, fut, make)
 
 
 def _claim(key: str) -> tuple[dict | None, concurrent.futures.Future | None, bool]:
@@ -166,6 +154,25 @@ def _claim(key: str) -> tuple[dict | None, concurrent.futures.Future | None, boo
         if mine:
             fut = _INFLIGHT[key] = concurrent.futures.Future()
         return known, fut, mine
+
+
+def _made(key: str, fut: concurrent.futures.Future, make) -> dict:
+    """`make()` for the pair `key` this caller claimed with `fut`, settled whatever happens: its result; None to the
+    waiters when it failed (a waiting re-run reads it as failed, as its own would have), the error raised here; a
+    WorkerDied or Ctrl-C / SIGTERM passed on to the waiters too (not a result: --resume makes it again)."""
+    try:
+        result = make()
+    except WorkerDied as e:
+        _settle(key, fut, error=e)
+        raise
+    except Exception:
+        _settle(key, fut)
+        raise
+    except BaseException as e:
+        _settle(key, fut, error=e)
+        raise
+    _settle(key, fut, result)
+    return result
 
 
 def _settle(key: str, fut: concurrent.futures.Future, result: dict | None = None,
@@ -242,21 +249,19 @@ class CauseSearch:
             with _LOCK:
                 self.reruns += 1
                 n = self.reruns
-            out = None
-            try:
+            def make():
                 bound = f" (at most {2 * len(self.checks) + 1})" if self.backend.slots <= 1 else ""  # prefetch: more
                 self.log(f"    re-run {n}{bound}: {', '.join(sorted(aligned))} aligned")
-                out = self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
-                                            store=self.store)
-            except WorkerDied as e:  # not a result: the cell fails and --resume runs it again
-                _settle(key, fut, error=e)
+                return self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
+                                             store=self.store)
+
+            out = None
+            try:
+                out = _made(key, fut, make)
+            except WorkerDied:  # not a result: the cell fails and --resume runs it again
                 raise
             except Exception as e:  # a failing re-run must not sink the cell
                 self.errors.append(f"{type(e).__name__}: {e}")
-            except BaseException as e:  # Ctrl-C / SIGTERM: whoever waits for this re-run stops too
-                _settle(key, fut, error=e)
-                raise
-            _settle(key, fut, out)
             if out is not None and self.pairs:
                 try:
                     self.pairs.keep(spec, self.mode, out)
