@@ -122,33 +122,60 @@ def _chunk_grad(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: to
     return (d / temperature).to(x.dtype)
 
 
+class CompileOnFirstCall:
+    """`fn` compiled by torch.compile(fn, **options) (built at the first call). When that first, compiling call
+    fails (inductor, triton or a C compiler may be missing), `fn` itself serves from then on, with the warning
+    "torch.compile of <what> failed (...); <instead>". Out-of-memory and later failures are the computation's
+    own and propagate. `state`: "untried", "ok" or "failed". Used by the lean path's chunk functions here and by
+    the decoder's step (harness/rollouts/fastgen.py)."""
+
+    def __init__(self, fn, what: str, instead: str, **options):
+        self.fn, self.what, self.instead, self.options = fn, what, instead, options
+        self.compiled = None
+        self.state = "untried"
+
+    def __call__(self, *args, **kwargs):
+        if self.state == "failed":
+            return self.fn(*args, **kwargs)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, **self.options)
+        if self.state == "ok":
+            return self.compiled(*args, **kwargs)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the plain function computes the same
+            warnings.warn(f"torch.compile of {self.what} failed ({type(e).__name__}: {str(e)[:200]}); {self.instead}")
+            self.state = "failed"
+            return self.fn(*args, **kwargs)
+        self.state = "ok"
+        return out
+
+
 class _Kernels:
     """The lean path's two chunk functions, compiled by torch.compile on a GPU (each fused into a few kernels that
-    read the bf16 logits without writing an fp32 copy), eager elsewhere. A function whose first compiled call fails
-    (no compiler, say) runs eagerly from then on, with a warning; later failures are the computation's own."""
+    read the bf16 logits without writing an fp32 copy), eager elsewhere. When either one's first compiled call
+    fails (no compiler, say) both run eagerly from then on, with a warning; later failures are the computation's own."""
 
     def __init__(self, devices=("cuda",)):
         self.devices = devices  # where to compile (the tests add "cpu")
-        self.compiled: dict = {}  # function -> its compiled form, once that has run
-        self.failed = False
+        self.kernels = {fn: CompileOnFirstCall(fn, "the log-prob kernels", "computing them eagerly", dynamic=True)
+                        for fn in (_chunk_stats, _chunk_grad)}
+
+    @property
+    def compiled(self) -> dict:
+        """function -> its compiled form, once that has run"""
+        return {fn: k.compiled for fn, k in self.kernels.items() if k.state == "ok"}
+
+    @property
+    def failed(self) -> bool:
+        return any(k.state == "failed" for k in self.kernels.values())
 
     def __call__(self, fn, *args):
         if args[0].device.type not in self.devices or self.failed:
             return fn(*args)
-        if fn in self.compiled:
-            return self.compiled[fn](*args)
-        compiled = torch.compile(fn, dynamic=True)
-        try:
-            out = compiled(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - inductor, triton or a C compiler: any of them may be missing
-            warnings.warn(f"torch.compile of the log-prob kernels failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "computing them eagerly")
-            self.failed = True
-            return fn(*args)
-        self.compiled[fn] = compiled
-        return out
+        return self.kernels[fn](*args)
 
 
 KERNELS = _Kernels()

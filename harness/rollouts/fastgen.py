@@ -36,6 +36,7 @@ import warnings
 import torch
 
 from harness.rollouts.generate import cut_at_eos, pad_left
+from scratch_grpo.core import CompileOnFirstCall
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -134,7 +135,9 @@ class StaticDecoder:
         self.capture_failed = False
         self.compile_step = self.device.type == "cuda" if compile_step is None else compile_step
         self.compile_failed = False
-        self._compiled, self._compiled_ok = None, False
+        # static shapes first; a batch that brings another cache length is compiled once more with a dynamic one
+        # (torch.compile's automatic dynamic shapes), then serves every length
+        self._compiled = CompileOnFirstCall(self.net.forward, "the decode step", "decoding with the eager forward")
         self.last_stats: dict[str, float] = {}
 
     def describe(self) -> str:
@@ -157,22 +160,9 @@ class StaticDecoder:
                       use_cache=True, logits_to_keep=1)
         if not (compiled and self.compile_step):
             return self.net.forward(**kwargs).logits[:, -1]
-        if self._compiled is None:
-            # static shapes first; a batch that brings another cache length is compiled once more with a dynamic
-            # one (torch.compile's automatic dynamic shapes), then serves every length
-            self._compiled = torch.compile(self.net.forward)
-        if self._compiled_ok:
-            return self._compiled(**kwargs).logits[:, -1]
-        try:  # the first call compiles: a compiler that fails leaves the eager forward, which computes the same
-            out = self._compiled(**kwargs)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - inductor, triton or a C compiler: any of them may be missing
-            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "decoding with the eager forward")
+        out = self._compiled(**kwargs)  # the first call compiles; a compiler that fails leaves the eager forward
+        if self._compiled.state == "failed":
             self.compile_step, self.compile_failed = False, True
-            return self.net.forward(**kwargs).logits[:, -1]
-        self._compiled_ok = True
         return out.logits[:, -1]
 
     @torch.no_grad()
