@@ -9,9 +9,10 @@ Each function has known-answer tests computed by hand in tests/test_core.py.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
+
+from harness.experiment.models import CompileOnFirstCall
 
 LOSS_NORMS = ("sequence", "token_local", "token_global", "constant")  # TRL's grpo, bnpo, dapo, dr_grpo
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -120,37 +121,6 @@ def _chunk_grad(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: to
     d = torch.exp(x.float() / temperature - lse[:, None]).mul_(-g[:, None])
     d.scatter_add_(-1, targets[:, None], g[:, None])
     return (d / temperature).to(x.dtype)
-
-
-class CompileOnFirstCall:
-    """`fn` compiled by torch.compile(fn, **options) (built at the first call). When that first, compiling call
-    fails (inductor, triton or a C compiler may be missing), `fn` itself serves from then on, with the warning
-    "torch.compile of <what> failed (...); <instead>". Out-of-memory and later failures are the computation's
-    own and propagate. `state`: "untried", "ok" or "failed". Used by the lean path's chunk functions here and by
-    the decoder's step (harness/rollouts/fastgen.py)."""
-
-    def __init__(self, fn, what: str, instead: str, **options):
-        self.fn, self.what, self.instead, self.options = fn, what, instead, options
-        self.compiled = None
-        self.state = "untried"
-
-    def __call__(self, *args, **kwargs):
-        if self.state == "failed":
-            return self.fn(*args, **kwargs)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, **self.options)
-        if self.state == "ok":
-            return self.compiled(*args, **kwargs)
-        try:
-            out = self.compiled(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any compiler failure: the plain function computes the same
-            warnings.warn(f"torch.compile of {self.what} failed ({type(e).__name__}: {str(e)[:200]}); {self.instead}")
-            self.state = "failed"
-            return self.fn(*args, **kwargs)
-        self.state = "ok"
-        return out
 
 
 class _Kernels:

@@ -225,6 +225,41 @@ def run_label(spec, device: str, ckpt: str | Path | None = None) -> dict:
             "text": text}
 
 
+class CompileOnFirstCall:
+    """`fn` compiled by torch.compile(fn, **options) (built at the first call). When that first, compiling call
+    fails (inductor, triton or a C compiler may be missing), `fn` itself serves from then on, with the warning
+    "torch.compile of <what> failed (...); <instead>". Out-of-memory and later failures are the computation's
+    own and propagate. `state`: "untried", "ok" or "failed". Used by the scratch loop's lean loss kernels
+    (scratch_grpo/core.py) and the decoder's step (harness/rollouts/fastgen.py)."""
+
+    def __init__(self, fn, what: str, instead: str, **options):
+        self.fn, self.what, self.instead, self.options = fn, what, instead, options
+        self.compiled = None
+        self.state = "untried"
+
+    def __call__(self, *args, **kwargs):
+        if self.state == "ok":
+            return self.compiled(*args, **kwargs)
+        if self.state == "failed":
+            return self.fn(*args, **kwargs)
+        import torch
+
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, **self.options)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the plain function computes the same
+            import warnings
+
+            warnings.warn(f"torch.compile of {self.what} failed ({type(e).__name__}: {str(e)[:200]}); {self.instead}")
+            self.state = "failed"
+            return self.fn(*args, **kwargs)
+        self.state = "ok"
+        return out
+
+
 def autocast_for(device: str, dtype: str):
     """DTYPE = "bfloat16": compute under bf16 autocast, as TRL's bf16=True does (accelerate wraps the forward);
     the weights stay in the dtype they were loaded in (MASTER_WEIGHTS). float32: no autocast."""

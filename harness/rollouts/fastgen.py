@@ -35,8 +35,8 @@ import warnings
 
 import torch
 
+from harness.experiment.models import CompileOnFirstCall
 from harness.rollouts.generate import cut_at_eos, pad_left
-from scratch_grpo.core import CompileOnFirstCall
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
