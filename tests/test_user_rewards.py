@@ -62,6 +62,30 @@ def test_file_entry_is_relative_to_the_spec_and_scores_both_sides(tmp_path, monk
     assert manifest["rewards"][0]["source_sha256"] == prov["source_sha256"]
 
 
+EXACT = '''
+def exact(prompts, completions, answer, **kwargs):
+    """The README's reward file: 1 when the completion states the answer."""
+    return [float(a in (c[0]["content"] if isinstance(c, list) else c)) for c, a in zip(completions, answer)]
+'''
+
+
+def test_a_reward_file_alone_is_at_parity_and_counters_are_compared_on_both_sides(tmp_path):
+    """Only the user's function (no built-in one, which logs its failures): the scratch loop and TRL both log
+    reward_errors (0), and nothing one side alone logs makes a divergence."""
+    from harness.diagnose.matrix import run_matrix
+    from harness.runlog.log import read_run
+
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "functions.py").write_text(EXACT)
+    spec = load_spec(write_spec(tmp_path, ["rewards/functions.py:exact"]))
+    doc = run_matrix(spec, tmp_path / "out", "none", log=lambda *_: None)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "parity", (cell.get("first_divergence"), cell.get("error"))
+    for side in ("scratch", "trl"):
+        assert read_run(tmp_path / "out" / "as-given" / side)["reward_errors"].tolist() == [0.0] * 3, side
+    assert "reward_errors" in cell["metrics"]
+
+
 def test_module_entry(tmp_path, monkeypatch):
     pkg = tmp_path / "myrewards"
     pkg.mkdir()

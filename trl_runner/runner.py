@@ -153,7 +153,7 @@ class MetricLogCallback(TrainerCallback):
             self.prompts_seen += len(gens[self.seen_generations]["prompt_idx"])
             self.seen_generations += 1
         errors = [v for k, v in row.items() if k.startswith("reward_errors/") and v is not None]
-        if errors:
+        if errors or "reward" in row:  # a generation step: 0 when no reward function failed, as the scratch loop logs
             row["reward_errors"] = float(sum(errors))
         used, sequences, tokens = last["prompt_idx"], last["sequences"], last["tokens"]
         if self.trainer.harness_per_step:  # this step's slice of the generation, from every process

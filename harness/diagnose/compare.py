@@ -616,9 +616,10 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
     """Per-metric differences of two runs and the first step where any leaves tolerance.
 
     A NaN or inf on either side (both included) is a divergence at that step; a value neither log has at a step
-    is not compared there. `one_sided`: what a metric, or a step's value, that only one side logs is:
-    "divergence" (the built-in sides: it means different settings) or "not_compared" (other people's logs:
-    listed in `not_compared`, never a divergence). `envelope`: the noise twin's (harness/diagnose/noise.py); with
+    is not compared there. A metric only one side logs is never a divergence: listed in `only_in_a/b`, and with
+    `one_sided="not_compared"` (other people's logs) also in `not_compared`. `one_sided` also says what a step's
+    value that only one side has is: "divergence" (the built-in sides, which log every metric at the same steps) or
+    not compared there. `envelope`: the noise twin's (harness/diagnose/noise.py); with
     it a step is outside only beyond both the static bound and K times the envelope (the calibrated tolerance)."""
     if one_sided not in ("divergence", "not_compared"):
         raise ValueError(f"one_sided: {one_sided!r}")
@@ -639,19 +640,17 @@ def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", 
     only_b = sorted(c for c in set(b.columns) - set(a.columns) - ignore if not c.startswith(by_design))
     metrics, failures, non_finite = {}, [], []
     not_compared: dict[str, str] = {}  # metric -> why: "a"/"b" (only that side logs it), "steps" (never both at one)
-    if one_sided == "divergence":
-        # a metric one side logs and the other never does (e.g. TRL's IS ratios with the correction on one side only)
-        for df, names in ((a, only_a), (b, only_b)):
-            for name in names:
-                logged = df[name].dropna()
-                failures.append((int(logged.index[0]) if len(logged) else int(df.index[0]), name))
-    else:
+    # a metric one side logs and the other never does (TRL's IS ratios with the correction on one side only, a
+    # counter one loop keeps) is never a divergence: there is nothing to hold it against. The built-in sides list it
+    # as `only_in_a/b` (attribution reads it as evidence: IS statistics on one side point at the IS correction)
+    if one_sided == "not_compared":
         not_compared = {c: "a" for c in set(a.columns) - set(b.columns) - ignore}
         not_compared.update({c: "b" for c in set(b.columns) - set(a.columns) - ignore})
     for col in sorted((set(a.columns) & set(b.columns)) - ignore):
         x, y = a.loc[steps, col], b.loc[steps, col]
         gone_a, gone_b = _absent(gone[0].get(col), steps), _absent(gone[1].get(col), steps)
-        # a value one log has at a step and the other does not
+        # a value one log has at a step and the other does not (the built-in sides log each metric at the same
+        # steps, so there it means a different cadence: a divergence; other people's logs: not compared there)
         one = steps[gone_a ^ gone_b] if one_sided == "divergence" else steps[:0]
         if col == "prompt_ids_hash" or not (is_numeric_dtype(x) and is_numeric_dtype(y)):
             same = (x.astype(str) == y.astype(str)).to_numpy() | (gone_a & gone_b)

@@ -15,9 +15,9 @@ A percentile bootstrap over 3 seeds per side, tried first, raised a false alarm 
 with 3 seeds its intervals are far too narrow.
 
 Counts and hashes that do not depend on sampling (prompts per step, prompt_ids_hash, learning rate)
-are compared exactly, seed by seed; a TRL metric logged on one side only is a divergence too (between the
-built-in sides; `one_sided="not_compared"`, for other people's logs, lists it instead). A NaN or inf that a
-run logged for a compared metric is a divergence at that step.
+are compared exactly, seed by seed; a metric logged on one side only is never a divergence (there is nothing to
+hold it against): it is listed (`only_in_a/b`; `one_sided="not_compared"`, for other people's logs, also in
+`not_compared`). A NaN or inf that a run logged for a compared metric is a divergence at that step.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
                  metrics=FREE_METRICS, paired: bool = True, one_sided: str = "divergence") -> dict:
     """Free-run comparison of two sets of seeds (run folders or loaded frames). `paired`: run i of each side used
     the same seed, so the fields that do not depend on sampling are compared exactly, pair by pair (off for null
-    pairs of different seeds). `one_sided`: a metric only one side logs is a "divergence" (the built-in sides) or
-    "not_compared" (listed in `not_compared`)."""
+    pairs of different seeds). A metric only one side logs is listed, never a divergence; `one_sided="not_compared"`
+    lists it in `not_compared` too."""
     if len(runs_a) < 2 or len(runs_b) < 2:
         raise ValueError("free-run parity needs at least 2 seeds per side to estimate the noise floor")
     A_frames = [r if hasattr(r, "columns") else load_any_run(r) for r in runs_a]
@@ -166,9 +166,6 @@ def compare_free(runs_a: list, runs_b: list, *, alpha: float = 0.05, windows: in
     result["one_sided"] = one_sided
     if one_sided == "not_compared":
         result["not_compared"], result["not_compared_why"] = sorted(why), dict(sorted(why.items()))
-    else:
-        for name in sorted(only_a | only_b):
-            failures.append((1, name))
     from harness.diagnose.compare import PRIORITY
 
     rank = {m: i for i, m in enumerate(PRIORITY)}
