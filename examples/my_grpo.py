@@ -8,6 +8,13 @@ Its choices are flags, so you can see what the harness says when they differ fro
     --loss-agg seq|token     mean per completion, then over completions (the GRPO paper), or over all tokens
     --adv-scale std|none     divide the group-centred rewards by the group's std, or not (Dr. GRPO)
     --std bessel|population  the std estimator (TRL: Bessel's n-1)
+    --std-eps E              added to the std before dividing (TRL: 1e-4)
+    --no-eos-in-loss         leave each completion's eos token out of the loss (as loops that pad with eos do)
+    --beta B                 k3 KL to the initial model, weight B (TRL: beta); --kl-ratio no leaves out TRL's
+                             factor of the policy ratio (use_bias_correction_kl); --kl-log round averages the
+                             logged kl over the round's tokens (TRL: per micro-batch, then over them)
+    --lr, --adam-beta2, --weight-decay, --lr-schedule constant|linear   the optimizer's own values
+Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ p = argparse.ArgumentParser()
 p.add_argument("--loss-agg", choices=("seq", "token"), default="seq")
 p.add_argument("--adv-scale", choices=("std", "none"), default="std")
 p.add_argument("--std", choices=("bessel", "population"), default="bessel")
+p.add_argument("--std-eps", type=float, default=1e-4)
+p.add_argument("--no-eos-in-loss", action="store_true")
+p.add_argument("--beta", type=float)
+p.add_argument("--kl-ratio", choices=("yes", "no"))
+p.add_argument("--kl-log", choices=("micro", "round"), default="micro")
+p.add_argument("--lr", type=float)
+p.add_argument("--adam-beta2", type=float)
+p.add_argument("--weight-decay", type=float)
+p.add_argument("--lr-schedule", choices=("constant", "linear"))
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
 args = p.parse_args()
 
@@ -31,22 +47,40 @@ args = p.parse_args()
 cfg = parity.spec()  # parity
 STEPS = cfg.get("STEPS", 100)
 PROMPTS, G, ACCUM = cfg.get("PROMPTS_PER_STEP", 8), cfg.get("GROUP_SIZE", 8), cfg.get("GRAD_ACCUM", 4)
-LR, BETAS, EPS = cfg.get("LR", 1e-6), (cfg.get("ADAM_BETA1", 0.9), cfg.get("ADAM_BETA2", 0.99)), cfg.get("ADAM_EPS", 1e-8)
+LR = args.lr if args.lr is not None else cfg.get("LR", 1e-6)
+BETAS = (cfg.get("ADAM_BETA1", 0.9), args.adam_beta2 if args.adam_beta2 is not None else cfg.get("ADAM_BETA2", 0.99))
+EPS = cfg.get("ADAM_EPS", 1e-8)
+WEIGHT_DECAY = args.weight_decay if args.weight_decay is not None else cfg.get("WEIGHT_DECAY", 0.0)
 CLIP_LOW, CLIP_HIGH = cfg.get("CLIP_LOW", 0.2), cfg.get("CLIP_HIGH", 0.28)
 TEMPERATURE, MAX_TOKENS = cfg.get("TEMPERATURE", 1.0), cfg.get("MAX_TOKENS", 512)
 MAX_GRAD_NORM = cfg.get("MAX_GRAD_NORM", 1.0)
-LINEAR_LR = cfg.get("LR_SCHEDULE", "constant") == "linear"
+LINEAR_LR = (args.lr_schedule or cfg.get("LR_SCHEDULE", "constant")) == "linear"
+BETA = args.beta if args.beta is not None else cfg.get("BETA", 0.0)
+KL_RATIO = (args.kl_ratio or ("yes" if cfg.get("KL_IS_CORRECTION", True) else "no")) == "yes"
 if cfg.get("STEPS_PER_GENERATION", 1) != 1 or cfg.get("NUM_ITERATIONS", 1) != 1:
     raise SystemExit("this example takes one optimizer step per generation round: STEPS_PER_GENERATION and "
                      "NUM_ITERATIONS must be 1")
 
+DEVICE = cfg.get("DEVICE", "cpu")
+DEVICE = ("cuda" if torch.cuda.is_available() else "cpu") if DEVICE == "auto" else DEVICE
+BF16 = cfg.get("DTYPE", "float32") == "bfloat16"  # bf16 autocast over fp32 weights, as TRL's bf16=True
+
 torch.manual_seed(parity.seed(42))  # parity: the run's seed
 path = parity.init_dir(args.model)  # parity: the weights every side starts from
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
+if cfg.get("GRADIENT_CHECKPOINTING", False):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 tok = AutoTokenizer.from_pretrained(path)
 eos = model.generation_config.eos_token_id
 eos = set(eos if isinstance(eos, list) else [eos])
-opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+ref = None
+if BETA > 0:  # the frozen initial policy for the KL term
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval().requires_grad_(False)
+# no decay on biases and norms, as transformers' Trainer (TRL) groups them
+decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n.lower())]
+no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n.lower()]
+opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+                        lr=LR, betas=BETAS, eps=EPS, fused=True)
 
 
 def pad(seqs, value, left):
@@ -72,8 +106,9 @@ def sample_round(r):
     prompt_ids = encode_prompts(tok, [row["prompt"] for row in group], spec.MAX_PROMPT_TOKENS)
     ids, mask = pad(prompt_ids, tok.pad_token_id, left=True)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE, top_p=1.0,
-                             top_k=0, max_new_tokens=MAX_TOKENS, pad_token_id=tok.pad_token_id)
+        out = model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), do_sample=True,
+                             temperature=TEMPERATURE, top_p=1.0, top_k=0, max_new_tokens=MAX_TOKENS,
+                             pad_token_id=tok.pad_token_id)
     completion_ids = []
     for row in out[:, ids.size(1):].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -98,29 +133,47 @@ for step in range(STEPS):
     grouped = rewards.view(-1, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
     if args.adv_scale == "std":
-        adv = adv / (grouped.std(dim=1, keepdim=True, unbiased=args.std == "bessel") + 1e-4)
-    adv = adv.reshape(-1)
+        adv = adv / (grouped.std(dim=1, keepdim=True, unbiased=args.std == "bessel") + args.std_eps)
+    adv = adv.reshape(-1).to(DEVICE)
 
     # ---- 3. the clipped surrogate over ACCUM micro-batches, one optimizer step -------------------------------
-    prompt_ids, prompt_mask = pad(batch["prompt_ids"], tok.pad_token_id, left=True)
-    completion_ids, completion_mask = pad(batch["completion_ids"], tok.pad_token_id, left=False)
+    prompt_ids, prompt_mask = (t.to(DEVICE) for t in pad(batch["prompt_ids"], tok.pad_token_id, left=True))
+    completion_ids, completion_mask = (t.to(DEVICE) for t in pad(batch["completion_ids"], tok.pad_token_id, left=False))
+    loss_mask = completion_mask.clone()
+    if args.no_eos_in_loss:  # a completion's last token, when it is an eos, does not count
+        for i, ids in enumerate(batch["completion_ids"]):
+            if ids and ids[-1] in eos:
+                loss_mask[i, len(ids) - 1] = 0
     n, P = len(adv), prompt_ids.size(1)
-    all_tokens = completion_mask.sum().clamp(min=1)
+    all_tokens = loss_mask.sum().clamp(min=1)
     lr = LR * (1 - step / STEPS) if LINEAR_LR else LR
     for group in opt.param_groups:
         group["lr"] = lr
-    step_loss = 0.0
+    step_loss, kls, kl_sum = 0.0, [], 0.0
+
+    def token_logp(net, ids, attention, targets):
+        with torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=BF16):
+            logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
+        return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
     for s in range(0, n, n // ACCUM):
         mb = slice(s, s + n // ACCUM)
         ids = torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1)
         attention = torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
-        logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
-        logp = logp.gather(-1, completion_ids[mb].unsqueeze(-1)).squeeze(-1)
+        logp = token_logp(model, ids, attention, completion_ids[mb])
         ratio = torch.exp(logp - logp.detach())  # one pass per round: the old policy is the current one
         a = adv[mb].unsqueeze(1)
         per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
-        mask = completion_mask[mb].float()
+        mask = loss_mask[mb].float()
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp = token_logp(ref, ids, attention, completion_ids[mb])
+            kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3
+            if KL_RATIO:
+                kl = kl * ratio
+            per_token = per_token + BETA * kl
+            kls.append(((kl.detach() * mask).sum() / mask.sum().clamp(min=1)).item())
+            kl_sum += (kl.detach() * mask).sum().item()
         if args.loss_agg == "seq":
             loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / ACCUM
         else:
@@ -133,7 +186,11 @@ for step in range(STEPS):
 
     lengths = completion_mask.sum(1).float()
     print(f"step {step + 1}: loss {step_loss:.4f} reward {rewards.nanmean():.3f} length {lengths.mean():.1f}")
+    extra = {}
+    if kls:  # TRL's kl: per micro-batch, then averaged; "round": over every token of the round
+        extra["kl"] = kl_sum / float(all_tokens) if args.kl_log == "round" else sum(kls) / len(kls)
     parity.log_step(step + 1, loss=step_loss, grad_norm=grad_norm, learning_rate=lr,  # parity: one line per step
-                    reward=rewards.nanmean(), reward_std=rewards.std(), **{"completions/mean_length": lengths.mean()})
+                    reward=rewards.nanmean(), reward_std=rewards.std(), **{"completions/mean_length": lengths.mean()},
+                    **extra)
 
 parity.save_weights(model)  # parity: the final weights, for the distance to the other side

@@ -144,8 +144,17 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
                             f"(full output: {out_dir / STDERR})")
         rows = read_loop_metrics(raw_path, spec.loop.metrics)
         if rows[-1]["step"] < spec.STEPS:  # fewer steps than the spec: compared as far as it went, it would pass
-            raise LoopError(f"your loop logged {len(rows)} steps, the last step {rows[-1]['step']}, and exited; the "
-                            f"spec asks for STEPS = {spec.STEPS}: read STEPS from PARITY_SPEC (harness.loop.spec())")
+            from harness.runlog.log import step_ranges
+
+            logged = [r["step"] for r in rows]
+            gaps = sorted(set(range(1, logged[-1] + 1)) - set(logged))
+            raise LoopError(f"your loop logged {len(rows)} steps ({step_ranges(logged)}"
+                            + (f"; none for step {step_ranges(gaps)}" if gaps else "") + f") and exited after step "
+                            f"{logged[-1]}; the spec asks for STEPS = {spec.STEPS}"
+                            + (": a loop that skips a step (a NaN loss, say) and counts only the steps it took ends "
+                               "short; log every optimizer step, or count the skipped ones too" if gaps or
+                               len(rows) < logged[-1] else ": read STEPS from PARITY_SPEC (harness.loop.spec()), or "
+                               "see why it stopped in its stderr.log"))
         wall = (time.perf_counter() - t0) / len(rows)
         for row in rows:
             writer.log_step({**row, "wall_s": row.get("wall_s", wall)})

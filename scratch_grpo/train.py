@@ -33,22 +33,30 @@ from scratch_grpo import core
 
 
 def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                       completion_mask: torch.Tensor, temperature: float, entropy_temperature: float | None = None):
+                       completion_mask: torch.Tensor, temperature: float, entropy_temperature: float | None = None,
+                       masked_eos: tuple[int, ...] = ()):
     """Per-token log-probs (B, T) of the completion tokens, and with `entropy_temperature` the entropy (B, T) of
     softmax(logits / entropy_temperature) (no gradient); else None.
 
-    Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them.
+    Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them. `masked_eos`
+    (a quirk, EOS_ATTENTION = "mask"): these tokens are masked out of attention, and positions count only the
+    attended tokens (`cumsum(mask) - 1`, 1 where masked), as a loop whose pad token is its eos does.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     T = completion_ids.size(1)
-    logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1).logits[:, :-1]
+    extra = {}
+    if masked_eos:
+        attention = attention * ~torch.isin(input_ids, torch.tensor(masked_eos, device=input_ids.device))
+        positions = attention.long().cumsum(-1) - 1
+        extra["position_ids"] = positions.masked_fill(attention == 0, 1)
+    logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1, **extra).logits[:, :-1]
     if entropy_temperature is None:
         return core.token_logprobs(logits, completion_ids, temperature), None
     return core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
 
 
-def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False):
+def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False, stop_when=None):
     """Train per `spec`, writing the metric log and manifest to `out_dir`. Returns the run folder.
 
     `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
@@ -56,6 +64,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     `noise_twin`: the same run changed only in its rounding (`core.nudge_ulp` on the initial weights,
     micro-batches summed in reverse order): its distance to the plain run is the floating-point noise the
     calibrated tolerance measures (harness/diagnose/noise.py).
+    `stop_when(row) -> bool`, called with each logged step's row: True ends the run there, that step logged (the
+    explanation search runs a candidate only as far as its question needs; the schedule still spans STEPS).
     """
     from harness.experiment.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
     from harness.runlog.params import ParamSketch
@@ -122,8 +132,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     sketch = ParamSketch(model, writer.dir, seed=spec.SEED)  # the weights after each step, for lockstep parity
     bar = Progress(spec.STEPS, "scratch", progress)
     step, tokens_seen, prompts_seen = 0, 0, 0
+    stopped = False
     with writer:
         for r in range(rounds):
+            if stopped:
+                break
             t0 = time.perf_counter()
             if device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
@@ -178,6 +191,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             # of the generation batch x gradient_accumulation_steps / steps_per_generation)
             step_tokens = float(l_mask.sum()) / S
             logp_temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE  # raw logits: a quirk
+            masked_eos = tuple(eos_ids) if spec.EOS_ATTENTION == "mask" else ()  # pad = eos: a quirk
             generated_tokens = sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
             mb_size = N // (GA * S)
 
@@ -185,7 +199,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 with torch.no_grad(), autocast_for(device, spec.DTYPE):
                     return torch.cat([completion_forward(net, p_ids[s:s + mb_size], p_mask[s:s + mb_size],
                                                          c_ids[s:s + mb_size], c_mask[s:s + mb_size],
-                                                         logp_temperature)[0] for s in range(0, N, mb_size)])
+                                                         logp_temperature, masked_eos=masked_eos)[0]
+                                      for s in range(0, N, mb_size)])
 
             need_old = spec.LOGP_OLD == "forward" or mu > 1 or S > 1 or spec.IS_CORRECTION
             logp_old = no_grad_logps(model) if need_old else None
@@ -215,7 +230,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             shuffled = torch.randperm(N, generator=g).view(S * GA, mb_size).to(device)
             adv = advantages.to(device)
             for it, k in ((it, k) for it in range(mu) for k in range(S)):
-                if step >= spec.STEPS:
+                if step >= spec.STEPS or stopped:
                     break
                 micro_batches = shuffled[k * GA:(k + 1) * GA]
                 if noise_twin:  # the same sum, added up in another order
@@ -225,7 +240,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 for mb in micro_batches:
                     with autocast_for(device, spec.DTYPE):
                         logp, entropy = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
-                                                           logp_temperature, entropy_temperature=spec.TEMPERATURE)
+                                                           logp_temperature, entropy_temperature=spec.TEMPERATURE,
+                                                           masked_eos=masked_eos)
                     mask = c_mask[mb].float()
                     old = logp_old[mb] if logp_old is not None else logp.detach()
                     per_token, rho = core.clipped_surrogate(logp, old, adv[mb], spec.CLIP_LOW, spec.CLIP_HIGH,
@@ -287,6 +303,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 writer.log_step(row)
                 bar.update(row)
                 check_stop(step)  # SIGINT/SIGTERM: stop here, with this step logged
+                if stop_when is not None and stop_when(row):
+                    stopped = True
+                    writer.update(stopped_at=step)
                 t0 = time.perf_counter()
     bar.close()
     return writer.dir

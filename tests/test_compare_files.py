@@ -276,3 +276,32 @@ def test_cli_errors_and_report(tmp_path):
     r = cli(ok, ok, "--map", "loss")
     assert r.returncode == 2 and "expected OURS=THEIRS" in r.stderr and "Traceback" not in r.stderr
     assert math.isfinite(saved["metrics"]["loss"]["max_abs"])
+
+
+def test_tensorboard_event_folders_are_read_through_tensorboard(tmp_path):
+    """TRL's default report_to writes TensorBoard events (train/loss, train/grad_norm, ...) under
+    <output_dir>/runs/<date_host>/: `compare` reads the folder as a log, with TRL's names."""
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from harness.cli import main
+    from harness.diagnose.compare import compare_frames, load_any_run
+
+    values = {1: (0.5, 1.25), 2: (0.25, 0.75), 3: (0.125, 0.5)}
+    writer = SummaryWriter(str(tmp_path / "trl-out" / "runs" / "Dec04_host"))
+    for step, (loss, gnorm) in values.items():
+        writer.add_scalar("train/loss", loss, step)
+        writer.add_scalar("train/grad_norm", gnorm, step)
+    writer.close()
+    frame = load_any_run(tmp_path / "trl-out")
+    assert frame["loss"].to_dict() == {1: 0.5, 2: 0.25, 3: 0.125}
+    assert frame["grad_norm"].to_dict() == {1: 1.25, 2: 0.75, 3: 0.5}
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"step": s, "loss": l, "grad_norm": g}) + "\n" for s, (l, g) in values.items()))
+    assert compare_frames(load_any_run(mine), frame)["first_divergence"] is None
+    mine.write_text("".join(json.dumps({"step": s, "loss": l, "grad_norm": g * (1.1 if s == 2 else 1)}) + "\n"
+                            for s, (l, g) in values.items()))
+    assert main(["compare", str(mine), str(tmp_path / "trl-out"), "--out", str(tmp_path / "cmp")]) == 1
+    assert json.loads((tmp_path / "cmp" / "comparison.json").read_text())["first_divergence"] == \
+        {"step": 2, "metric": "grad_norm"}

@@ -346,3 +346,32 @@ def test_lean_kernels_fall_back_to_eager_when_compiling_fails(monkeypatch):
     assert core.KERNELS.failed and not core.KERNELS.compiled
     ref = torch.log_softmax(x.float(), -1)
     torch.testing.assert_close(logp, ref.gather(-1, targets[..., None]).squeeze(-1), rtol=0, atol=1e-5)
+
+
+def test_eos_masked_out_of_attention_is_the_same_as_deleting_it():
+    """EOS_ATTENTION = "mask" (a loop whose pad is its eos): every eos out of attention, positions counting only
+    attended tokens. Known answer: the completion's log-probs equal those of the same rows with the prompt's eos
+    tokens deleted (RoPE sees the same positions, attention the same tokens), left padding included."""
+    from conftest import DEFAULT_SPEC
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer
+    from harness.experiment.spec import load_spec
+    from harness.rollouts.generate import pad_left, pad_right
+    from scratch_grpo.train import completion_forward
+
+    spec = load_spec(DEFAULT_SPEC)
+    ckpt = checkpoint_dir(spec)
+    model, tok = load_model(ckpt, "float32", "cpu").eval(), load_tokenizer(ckpt)
+    eos = eos_token_ids(model.generation_config, tok)
+    prompts = [[5, 9, eos[0], 7, 11, eos[0], 13], [6, eos[0], 8]]  # eos inside the prompt, two lengths
+    completions = [[14, 15, eos[0]], [16, eos[0]]]
+    p_ids, p_mask = pad_left(prompts, tok.pad_token_id)
+    c_ids, c_mask = pad_right(completions, tok.pad_token_id)
+    with torch.no_grad():
+        masked, _ = completion_forward(model, p_ids, p_mask, c_ids, c_mask, 1.0, masked_eos=tuple(eos))
+        plain, _ = completion_forward(model, p_ids, p_mask, c_ids, c_mask, 1.0)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            kept = [t for t in p if t not in eos]
+            logits = model(input_ids=torch.tensor([kept + c[:-1]])).logits[0, len(kept) - 1:]
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
+            assert torch.allclose(masked[i, :len(c)], want, atol=1e-5), (i, masked[i], want)
+    assert not torch.allclose(masked, plain, atol=1e-3)  # attending to the eos tokens gives other numbers

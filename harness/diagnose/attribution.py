@@ -367,5 +367,6 @@ def _attribute_your_loop(cell, result: dict, cell_dir: Path, mode: str, log) -> 
                  "fix": {"trl": {}, "scratch": {}, "sentence": text}}]
     from harness.diagnose.explain import explain
 
-    log("    explaining your loop in TRL's terms (re-running TRL on the same rollouts)")
-    return [explain(cell.spec, cell_dir, result, log)]
+    log("    explaining your loop (the built-in loop, set up as TRL, re-run on the same rollouts with candidate "
+        "settings)")
+    return explain(cell.spec, cell_dir, result, log)

@@ -104,10 +104,14 @@ def load_any_run(path: str | Path, mapping: dict | None = None) -> pd.DataFrame:
     if path.is_file() and path.suffix.lower() == ".csv":
         rows, problems = _read_csv(path)
         return _frame(rows, path, mapping, problems=problems)
+    events = tensorboard_files(path)
+    if events:  # TRL's default report_to when tensorboard is installed: train/loss, train/grad_norm, ...
+        rows = _read_tensorboard(path, events)
+        return _frame(rows, path, mapping, trl_history=True, manifest={"source": str(path)})
     state = path / "trainer_state.json" if path.is_dir() else path
     if not state.exists():
         raise CompareInputError(f"{path}: neither a harness run (metrics.jsonl) nor a TRL trainer_state.json "
-                                "(nor a .jsonl or .csv log)")
+                                "(nor a .jsonl or .csv log, nor TensorBoard event files)")
     try:
         history = json.loads(state.read_text())["log_history"]
         if not isinstance(history, list):
@@ -193,6 +197,37 @@ def _names(columns: list[str], mapping: dict, trl_history: bool) -> tuple[dict, 
     keep = {c: n for c, n in keep.items() if n == "step" or not (n.startswith("_") or n in STEP_COLUMNS or
                                                                     n in SUMMARY_KEYS)}
     return keep, sorted(renamed)
+
+
+def tensorboard_files(path: Path) -> list[Path]:
+    """The TensorBoard event files of a run: `path` itself, or those under the folder (TRL writes them to
+    `<output_dir>/runs/<date_host>/`)."""
+    if path.is_file():
+        return [path] if path.name.startswith("events.out.tfevents") else []
+    return sorted(path.rglob("events.out.tfevents*")) if path.is_dir() else []
+
+
+def _read_tensorboard(path: Path, events: list[Path]) -> list[dict]:
+    """Scalar summaries as rows {"step": s, tag: value}, read by TensorBoard's own EventAccumulator (every value
+    kept; a tag written twice at one step keeps its last value)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise CompareInputError(f"{path}: TensorBoard event files; reading them needs the tensorboard package "
+                                "(pip install 'tensorboard>=2.14,<3')") from None
+    by_step: dict[int, dict] = {}
+    for folder in sorted({e.parent for e in events}):
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        try:
+            acc.Reload()
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which
+            raise CompareInputError(f"{folder}: TensorBoard event files that cannot be read ({e})") from None
+        for tag in acc.Tags().get("scalars", []):
+            for ev in acc.Scalars(tag):
+                by_step.setdefault(int(ev.step), {"step": int(ev.step)})[tag] = float(ev.value)
+    if not by_step:
+        raise CompareInputError(f"{path}: TensorBoard event files with no scalar summaries")
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def _frame(rows: list[dict], source: Path, mapping: dict, *, harness: bool = False, trl_history: bool = False,
@@ -608,6 +643,32 @@ def tolerance_for(tol: dict, mode: str, dtype: str, metric: str) -> dict:
     if metric in tol.get("exact", {}).get("metrics", []):
         return {"rtol": 0.0, "atol": 0.0}
     return table.get(metric, table.get("default", {"rtol": 1.3e-6, "atol": 1e-5}))
+
+
+# Statistics of the completions and of the policy, not what training computes: a loop of yours may define one
+# otherwise (a kl averaged over the round's tokens, rewards of its own) while it trains as the other side does.
+DERIVED = ("kl", "entropy", "clip_ratio/", "completions/", "reward", "rewards/", "frac_reward_zero_std", "num_tokens",
+           "sampling/", "mismatch/", "epoch", "prompts_in_step", "sequences_in_step", "tokens_in_step",
+           "prompt_ids_hash")
+
+
+def is_derived(metric: str) -> bool:
+    """`kl`, `reward_std`, `rewards/f/mean`, `completions/mean_length`, ...: a statistic, not training (DERIVED)."""
+    return any(metric == d or (d.endswith("/") and metric.startswith(d)) or metric.startswith(d + "_")
+               or metric.startswith(d + "/") for d in DERIVED)
+
+
+def steps_logged_words(yours, spec) -> str | None:
+    """A loop that logged other steps than 1..STEPS, said as what it did."""
+    from harness.runlog.log import step_ranges
+
+    steps = [int(s) for s in yours.index]
+    missing = sorted(set(range(1, spec.STEPS + 1)) - set(steps))
+    if not missing:
+        return None
+    return (f"your loop logged {len(steps)} of the spec's {spec.STEPS} steps ({step_ranges(steps)}); it logged no "
+            f"step {step_ranges(missing)}: those steps are not compared (a loop that skips a step, say on a NaN loss, "
+            "should still log it, or count its steps as the optimizer does)")
 
 
 def compare_frames(a: pd.DataFrame, b: pd.DataFrame, *, mode: str = "lockstep", dtype: str = "float32",

@@ -1,178 +1,571 @@
-"""Explain your loop in TRL's terms: which TRL settings make TRL do what your loop does.
+"""Explain your loop: every setting in which it differs from TRL, in TRL's terms where TRL has a setting, in words
+where it has none.
 
-The harness cannot flip switches inside a user's loop, so attribution turns around: replaying the same lockstep
-rollouts, it re-runs TRL with candidate `[trl]` settings and compares each run with your loop's log. It starts
-from the spec's own translation, changes one field at a time in the lesson's order (loss_type, then advantage
-scaling, KL, passes per generation, clip bounds, then the optimizer and schedule fields), and, when no single
-change reaches parity, keeps the change that brought TRL closest and tries the others on top of it (a greedy
-search, `MAX_DEPTH` fields at most).
+The harness cannot flip switches inside a user's loop, so the search turns around: replaying the same lockstep
+rollouts, it runs the built-in loop (scratch_grpo, which matches TRL setting for setting) with candidate spec fields
+until its log matches your loop's, step by step. Its vocabulary is the spec: the fields TRL has a setting for
+(loss_type, scale_rewards, beta, use_bias_correction_kl, the optimizer and the schedule, ...) first, then the
+quirks of hand-written loops that TRL cannot express (a std epsilon other than 1e-4, the population std, the eos
+token out of the loss, another KL estimator, ...). The fields TRL can express become a runnable `[trl]` table;
+the quirks are named in words with the scratch field that reproduces them.
 
-Not searched: the batch mapping and steps_per_generation (a TRL run that asks for other prompts per round than
-the recording holds breaks lockstep; the preflight and `--mode free` cover them), and what TRL has no setting
-for (a population std, say): then the closest candidate is reported with the step and metric where it parts.
+How it searches (several differences at once):
+- Settings a metric states are read, not searched: your loop's logged `learning_rate` gives the peak rate and the
+  schedule (`settings_from_log`).
+- Fields act from different steps: the advantages and the loss's shape change step 1's loss and gradient; the
+  learning rate, weight decay, gradient clipping, Adam's epsilon and a k3 KL penalty act through the first update
+  (step 2); Adam's betas and a decaying schedule through the second (step 3; the first Adam update is the same
+  for any beta). A round tries only the fields that can act at the first step where the runs part.
+- A candidate is judged first by how many steps it keeps the two in agreement, then by how many metrics are
+  outside at the first step where it parts, then by how far; it runs only until it parts from your loop (at
+  most `LOOKAHEAD` steps past the step it must fix). A field is kept whenever it extends the agreement (or, at
+  equal agreement, leaves fewer metrics outside), and the search goes on until parity or until nothing helps
+  (`MAX_FIELDS` fields at most). The kept set is then run over every step and compared as the cell was (final
+  weights included); with no quirk in it, TRL itself is run once with the written table to confirm it.
 
-Closeness of a candidate: per compared metric and step, how far the difference is outside tolerance,
-`log10(1 + |a - b| / (atol + rtol |b|))`, averaged over steps and metrics (0 = within tolerance everywhere).
+Agreement is judged on the metrics training computes (loss, grad_norm, learning_rate and any other both log), not
+on statistics of the completions or the policy (`DERIVED`: kl, entropy, clip ratios, rewards, lengths), which
+may be defined differently in your loop (a kl averaged over the round's tokens, say) while the training agrees:
+those are reported as defined differently, not searched for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
-from harness.diagnose.compare import load_tolerances, tolerance_for
+from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
 from harness.runlog.atomic import atomic_write_text
 
-MAX_DEPTH = 3
-IMPROVES = 0.9  # a change is kept only if it cuts the distance by at least 10%
+MAX_FIELDS = 6
+LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
 EXPLAIN_FILE = "your_loop_in_trl.toml"
+_IGNORE = ("step", "wall_s", "gen_s", "harness_s", "peak_mem_bytes", "step_time", "trl/epoch")
 
 
-def candidates(spec, trl_kwargs: dict, your_metrics: set[str]) -> list[tuple[str, object]]:
-    """(GRPOConfig field, value) pairs to try, in the lesson's order, each different from what TRL does now."""
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One candidate: a spec field and a value, the first step whose logged metrics it can change, and whether TRL
+    has a setting for it."""
+    key: str
+    value: object
+    acts_from: int
+
+
+# ---------------------------------------------------------------------------------------------
+# the vocabulary: spec fields, when each can act, and what each means in words
+# ---------------------------------------------------------------------------------------------
+STD_EPS_VALUES = (1e-8, 1e-6, 1e-5, 1e-3, 0.0)
+BETA_VALUES = (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1)
+LR_VALUES = (1e-6, 2e-6, 3e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+
+
+def options(spec, logged: set[str], read: dict) -> list[Option]:
+    """Every candidate change of `spec` (the search's current spec), in the order they are tried: the loss's shape
+    and the advantages (step 1), then what acts through the first update (step 2), then through the second
+    (step 3). `logged`: the metrics your loop logs; `read`: the fields read from its log (not searched)."""
     from trl_runner.translate import LOSS_TYPES
 
-    out = [("loss_type", lt) for lt in LOSS_TYPES.values()]
-    out += [("scale_rewards", s) for s in ("group", "batch", "none")]
-    if "kl" in your_metrics:  # a KL term only shows where the loop logs it
-        out += [("beta", b) for b in (0.001, 0.01, 0.04, 0.1)]
-    out += [("num_iterations", 2)]
-    # clip bounds bind only where the ratio leaves 1 (several passes or steps per generation, an IS sampler)
-    out += [("epsilon_high", e) for e in (0.2, 0.28)] + [("epsilon", e) for e in (0.1, 0.2)]
-    out += [("lr_scheduler_type", s) for s in ("constant", "linear")]
-    out += [("adam_beta2", b) for b in (0.999, 0.99, 0.98)]
-    out += [("adam_beta1", 0.9)]
-    out += [("weight_decay", w) for w in (0.0, 0.01, 0.1)]
-    out += [("max_grad_norm", g) for g in (1.0, 0.0)]
-    seen = set()
-    kept = []
-    for field, value in out:
-        current = trl_kwargs.get(field)
-        if field == "lr_scheduler_type":
-            current = getattr(current, "value", current)
-        if current == value or (field, value) in seen:
-            continue
-        seen.add((field, value))
-        kept.append((field, value))
-    return kept
+    out = [Option("LOSS_NORM", v, 1) for v in LOSS_TYPES if v != spec.LOSS_NORM]
+    out += [Option("ADV_SCALE", v, 1) for v in ("group", "batch", "none") if v != spec.ADV_SCALE]
+    out += [Option("MASK_TRUNCATED", not spec.MASK_TRUNCATED, 1)]
+    if spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.IS_CORRECTION:  # the ratio leaves 1
+        out += [Option("CLIP_HIGH", v, 1) for v in (0.2, 0.28) if v != spec.CLIP_HIGH]
+        out += [Option("CLIP_LOW", v, 1) for v in (0.1, 0.2) if v != spec.CLIP_LOW]
+    if spec.BETA > 0:
+        out += [Option("KL_ESTIMATOR", v, 1) for v in ("k1", "k2") if v != spec.KL_ESTIMATOR]  # k3's gradient is 0 at 1
+        out += [Option("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION, 2), Option("KL_IN_REWARD", True, 2)]
+    else:
+        out += [Option("BETA", v, 2) for v in BETA_VALUES]
+    if "learning_rate" not in logged:  # else read from the log (settings_from_log), not searched
+        out += [Option("LR", v, 2) for v in LR_VALUES if not math.isclose(v, spec.LR, rel_tol=1e-9)]
+    out += [Option("WEIGHT_DECAY", v, 2) for v in (0.0, 0.01, 0.1) if v != spec.WEIGHT_DECAY]
+    out += [Option("MAX_GRAD_NORM", v, 2) for v in (0.0, 1.0, 0.5) if v != spec.MAX_GRAD_NORM]
+    out += [Option("ADAM_EPS", v, 2) for v in (1e-6, 1e-5) if v != spec.ADAM_EPS]
+    out += [Option("ADAM_BETA2", v, 3) for v in (0.999, 0.99, 0.98, 0.95) if v != spec.ADAM_BETA2]
+    out += [Option("ADAM_BETA1", v, 3) for v in (0.9, 0.0) if v != spec.ADAM_BETA1]
+    if "learning_rate" not in logged:
+        out += [Option("LR_SCHEDULE", v, 3) for v in ("constant", "linear") if v != spec.LR_SCHEDULE]
+    # the quirks: TRL has no setting for any of these (the scratch loop does)
+    out += [Option("STD_EPS", v, 1) for v in STD_EPS_VALUES if v != spec.STD_EPS]
+    out += [Option("STD", "population" if spec.STD == "bessel" else "bessel", 1),
+            Option("STD_EPS_INSIDE", not spec.STD_EPS_INSIDE, 1)]
+    out += [Option("COMPLETION_MASK", v, 1) for v in ("no_eos", "all") if v != spec.COMPLETION_MASK]
+    out += [Option("EOS_ATTENTION", "mask" if spec.EOS_ATTENTION == "attend" else "attend", 1)]
+    out += [Option("LOSS_SUM", True, 1)] if not spec.LOSS_SUM else []
+    if spec.TEMPERATURE != 1.0:
+        out += [Option("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS, 1)]
+    return out
 
 
-def distance(yours, trl, dtype: str, tol: dict) -> float:
-    """0 when every shared metric is within tolerance at every shared step; grows with how far outside."""
-    shared = [c for c in yours.columns if c in trl.columns and c not in ("step", "wall_s")]
-    steps = yours.index.intersection(trl.index)
-    if not shared or not len(steps):
-        return math.inf
-    per_metric = []
-    for m in shared:
+def trl_fields(base, changes: dict) -> dict:
+    """The GRPOConfig fields (and values) that `changes` of the spec become: what TRL can be set to. A change that
+    moves no GRPOConfig field is a quirk TRL cannot express."""
+    from trl_runner.translate import translate
+
+    before = translate(base).kwargs
+    after = translate(apply_alignment(base, {"set": changes})).kwargs
+    out = {}
+    for k, v in after.items():
+        if k not in before or not _same(before[k], v):
+            out[k] = getattr(v, "value", v)
+    return out
+
+
+def _same(a, b) -> bool:
+    a, b = getattr(a, "value", a), getattr(b, "value", b)
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
+
+
+_WORDS = {
+    "LOSS_NORM": lambda v: {"sequence": "averages the loss per sequence, then over sequences",
+                            "token_local": "averages the loss over each micro-batch's tokens",
+                            "token_global": "averages the loss over every token of the step",
+                            "constant": "divides the summed loss by batch x max_completion_length"}[v],
+    "ADV_SCALE": lambda v: {"group": "divides advantages by the group's std", "batch": "divides advantages by the "
+                            "batch's std", "none": "does not divide advantages by a std"}[v],
+    "MASK_TRUNCATED": lambda v: ("leaves truncated completions out of the loss" if v else
+                                 "keeps truncated completions in the loss"),
+    "BETA": lambda v: f"has a KL penalty to the initial model of weight {v:g}",
+    "KL_IS_CORRECTION": lambda v: ("multiplies the KL term by the policy ratio" if v else
+                                   "does not multiply the KL term by the policy ratio (TRL does by default)"),
+    "KL_ESTIMATOR": lambda v: f"estimates the KL with {v} instead of k3",
+    "KL_IN_REWARD": lambda v: "subtracts the KL penalty from the reward instead of adding it to the loss",
+    "LR": lambda v: f"trains at a learning rate of {v:g}",
+    "LR_SCHEDULE": lambda v: f"uses a {v} learning-rate schedule",
+    "WARMUP_STEPS": lambda v: f"warms the learning rate up over {v} steps",
+    "WEIGHT_DECAY": lambda v: f"decays weights by {v:g}",
+    "MAX_GRAD_NORM": lambda v: f"clips the gradient norm at {v:g}" if v else "does not clip the gradient",
+    "ADAM_EPS": lambda v: f"uses Adam epsilon {v:g}",
+    "ADAM_BETA1": lambda v: f"uses Adam beta1 {v:g}",
+    "ADAM_BETA2": lambda v: f"uses Adam beta2 {v:g}",
+    "CLIP_HIGH": lambda v: f"clips the ratio above at 1 + {v:g}",
+    "CLIP_LOW": lambda v: f"clips the ratio below at 1 - {v:g}",
+    "STD_EPS": lambda v: f"adds {v:g} to the std before dividing (TRL: 1e-4, fixed)",
+    "STD": lambda v: ("divides by the population std (n; TRL: Bessel's n-1, fixed)" if v == "population"
+                      else "divides by Bessel's std (n-1)"),
+    "STD_EPS_INSIDE": lambda v: "scales advantages by sqrt(var + eps) (TRL: std + eps)",
+    "COMPLETION_MASK": lambda v: {"no_eos": "leaves each completion's eos token out of the loss (TRL counts it)",
+                                  "all": "counts the padding after short completions in the loss",
+                                  "eos": "counts every completion token through the eos"}[v],
+    "LOSS_SUM": lambda v: "sums the per-token losses without normalising",
+    "EOS_ATTENTION": lambda v: ("masks every eos token (the prompt's too) out of attention, positions counting only "
+                                "attended tokens: its pad token is its eos" if v == "mask" else "attends to eos tokens"),
+    "LOGP_ON_RAW_LOGITS": lambda v: "takes log-probs of the raw logits (TRL: logits / temperature)",
+}
+
+
+def words(key: str, value) -> str:
+    """What a spec change means, said of your loop."""
+    fn = _WORDS.get(key)
+    try:
+        return "your loop " + fn(value) if fn else f"your loop has {key} = {_toml(value)}"
+    except (KeyError, TypeError, ValueError):
+        return f"your loop has {key} = {_toml(value)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# settings a metric states: read from the log, not searched
+# ---------------------------------------------------------------------------------------------
+def settings_from_log(yours, spec) -> tuple[dict, list[str]]:
+    """Spec changes your loop's logged `learning_rate` states (peak rate, schedule, warmup), and sentences saying
+    what was read. A logged series that no schedule the scratch loop has fits is said as such, not guessed."""
+    from scratch_grpo.core import lr_multiplier
+
+    if "learning_rate" not in yours.columns:
+        return {}, []
+    lr = yours["learning_rate"].dropna().astype(float)
+    if lr.empty:
+        return {}, []
+    steps = [int(s) for s in lr.index]
+    fits = []
+    for schedule in ("constant", "linear"):
+        for warmup in sorted({0, spec.WARMUP_STEPS} | ({int(s) for s in steps[:12]} if lr.iloc[0] < lr.max() else set())):
+            mult = [lr_multiplier(s - 1, schedule, spec.STEPS, warmup) for s in steps]
+            peak_at = max(range(len(mult)), key=lambda i: mult[i])
+            if mult[peak_at] <= 0:
+                continue
+            peak = float(lr.iloc[peak_at]) / mult[peak_at]
+            if peak > 0 and all(math.isclose(peak * m, float(v), rel_tol=1e-5, abs_tol=1e-12)
+                                for m, v in zip(mult, lr)):
+                fits.append((schedule, warmup, peak))
+    if not fits:
+        shown = ", ".join(f"{v:.3g}" for v in lr.iloc[:4])
+        return {}, [f"your loop's logged learning_rate ({shown}, ...) follows no schedule the harness knows (constant "
+                    "or linear to 0 at STEPS, with a linear warmup): the search leaves the schedule as the spec has it"]
+    prefer = [f for f in fits if f[0] == spec.LR_SCHEDULE and f[1] == spec.WARMUP_STEPS] or fits
+    schedule, warmup, peak = prefer[0]
+    changes = {}
+    if not math.isclose(peak, spec.LR, rel_tol=1e-6):
+        changes["LR"] = float(f"{peak:.6g}")
+    if schedule != spec.LR_SCHEDULE and not (len(set(round(v, 15) for v in lr)) == 1 and schedule == "linear"):
+        changes["LR_SCHEDULE"] = schedule
+    if warmup != spec.WARMUP_STEPS:
+        changes["WARMUP_STEPS"] = warmup
+    said = []
+    if changes:
+        said.append("read from your loop's logged learning_rate: " + ", ".join(
+            words(k, v).removeprefix("your loop ") for k, v in changes.items())
+            + f" (the spec: {spec.LR:g}, {spec.LR_SCHEDULE}" + (f", warmup {spec.WARMUP_STEPS}" if spec.WARMUP_STEPS else "")
+            + ")")
+    return changes, said
+
+
+# ---------------------------------------------------------------------------------------------
+# agreement, step by step
+# ---------------------------------------------------------------------------------------------
+class Judge:
+    """Holds a candidate's logged rows against your loop's, step by step, on the metrics training computes."""
+
+    def __init__(self, yours, dtype: str, envelope=None):
+        self.rows = {int(s): row for s, row in yours.iterrows()}
+        self.columns = [c for c in yours.columns if c not in _IGNORE and not is_derived(c)]
+        self.dtype, self.tol, self.envelope = dtype, load_tolerances(), envelope
+        from harness.diagnose import noise
+
+        self.k = noise.k_of(self.tol)
+
+    def step(self, row: dict) -> tuple[list[str], float]:
+        """(the metrics outside tolerance at this step, how far outside in all: sum of log10(1 + excess))."""
+        step = int(row["step"])
+        mine = self.rows.get(step)
+        if mine is None:  # a step your loop did not log: not compared
+            return [], 0.0
+        outside, far = [], 0.0
+        for m in self.columns:
+            a, b = mine.get(m), row.get(m)
+            if a is None or b is None or (isinstance(a, float) and math.isnan(a)):
+                continue
+            try:
+                a, b = float(a), float(b)
+            except (TypeError, ValueError):
+                continue
+            if not (math.isfinite(a) and math.isfinite(b)):
+                outside.append(m)
+                far += 6.0
+                continue
+            t = tolerance_for(self.tol, "lockstep", self.dtype, m)
+            limit = t.get("atol", 0.0) + t.get("rtol", 0.0) * abs(b)
+            if self.envelope is not None:
+                env = self.envelope.at(m, [step], [b])
+                if env is not None:
+                    limit = max(limit, self.k * float(env[0]))
+            d = abs(a - b)
+            if d > limit:
+                outside.append(m)
+                far += math.log10(1 + d / max(limit, 1e-30))
+        return outside, far
+
+
+@dataclasses.dataclass
+class Trial:
+    changes: dict
+    agree: int  # leading steps within tolerance (-1: the run failed)
+    outside: list  # the metrics outside at the first step where it parts ([] when it never parted)
+    far: float  # how far outside in all, over every step it ran (sum of log10(1 + excess))
+    ran: int  # steps it ran
+    folder: str
+    error: str | None = None
+    trl: bool = True  # every change has a TRL setting
+
+    def score(self):
+        """Agreement first; then fewer metrics outside where it parts; then nearer over the steps it ran; at a tie,
+        TRL's settings before the quirks."""
+        return (self.agree, -len(self.outside), -self.far, self.trl)
+
+    def better_than(self, other: "Trial") -> bool:
+        """It extends the agreement, or at equal agreement leaves fewer metrics outside, or (as many) brings them
+        at least twice closer on the whole (`far` sums log10 excesses: 0.3 is a factor of 2) and by a tenth."""
+        if self.agree != other.agree:
+            return self.agree > other.agree
+        if len(self.outside) != len(other.outside):
+            return len(self.outside) < len(other.outside)
+        return self.far < other.far - math.log10(2) and self.far < 0.9 * other.far
+
+
+# ---------------------------------------------------------------------------------------------
+# the search
+# ---------------------------------------------------------------------------------------------
+PAIR_POOL = 8  # the closest single changes a round combines in pairs when none alone extends the agreement
+
+
+class Search:
+    """Runs of the built-in loop on the recorded rollouts with spec changes, each only as far as needed."""
+
+    def __init__(self, base, yours, records, root: Path, envelope=None, log=print):
+        self.base, self.records, self.root, self.log = base, records, Path(root), log
+        self.judge = Judge(yours, base.DTYPE, envelope)
+        self.steps = base.STEPS
+        self.runs, self.steps_run, self.seconds = 0, 0, 0.0
+        self.cache: dict[tuple, Trial] = {}
+
+    def trial(self, changes: dict, horizon: int, stop_at_parting: bool = False) -> Trial:
+        """The built-in loop with `changes`, run to `horizon` (or, `stop_at_parting`, until it parts from your loop):
+        how long it agrees, what is outside where it parts, and how far outside over the steps it ran."""
+        from harness.rollouts.lockstep import ReplaySource
+        from scratch_grpo.train import train
+
+        key = tuple(sorted((k, json.dumps(v)) for k, v in changes.items()))
+        known = self.cache.get(key)
+        if known is not None and (known.ran >= horizon or known.error or (stop_at_parting and known.agree < known.ran)):
+            return known
+        name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_") or "base"
+        folder = self.root / name[:120]
+        seen = {"agree": 0, "outside": None, "far": 0.0}
+
+        def stop_when(row):
+            outside, far = self.judge.step(row)
+            seen["far"] += far
+            if outside and seen["outside"] is None:
+                seen["outside"] = outside
+            if seen["outside"] is None:
+                seen["agree"] = int(row["step"])
+            return int(row["step"]) >= horizon or (stop_at_parting and bool(outside))
+
+        t0 = time.perf_counter()
+        error = None
         try:
-            a, b = yours.loc[steps, m].astype(float), trl.loc[steps, m].astype(float)
-        except (TypeError, ValueError):
-            continue
-        t = tolerance_for(tol, "lockstep", dtype, m)
-        both = a.notna() & b.notna()
-        if not both.any():
-            continue
-        diff = (a - b).abs()[both]
-        denom = (t.get("atol", 0.0) + t.get("rtol", 0.0) * b.abs())[both]
-        # exact fields (tolerance 0): equal is 0, any difference counts as a million tolerances
-        excess = (diff / denom.where(denom > 0, 1e-6 * diff.where(diff > 0, 1.0))).fillna(0.0)
-        per_metric.append(float((1 + excess).apply(math.log10).mean()))
-    return float(sum(per_metric) / len(per_metric)) if per_metric else math.inf
+            spec = apply_alignment(self.base, {"set": changes})
+            run = train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, stop_when=stop_when)
+            from harness.runlog.log import read_metrics
+
+            ran = len(read_metrics(Path(run) / "metrics.jsonl")[0])
+        except Exception as e:  # noqa: BLE001 - a candidate the loop refuses is no explanation
+            error, ran = f"{type(e).__name__}: {str(e)[:100]}", 0
+        self.seconds += time.perf_counter() - t0
+        self.runs += 1
+        self.steps_run += ran
+        out = Trial(changes, seen["agree"] if not error else -1, seen["outside"] or [], seen["far"], ran, str(folder),
+                    error, not any(not trl_fields(self.base, {k: v}) for k, v in changes.items()))
+        self.cache[key] = out
+        return out
+
+    def whole(self, changes: dict) -> Trial:
+        """Over every step, stopping where it parts."""
+        return self.trial(changes, self.steps, stop_at_parting=True)
+
+    def run(self, start: dict) -> tuple[Trial, list[dict]]:
+        """Greedy over fields, judged by agreement: returns the best trial and the trace of kept fields."""
+        state = self.whole(start)
+        trace = []
+        self.log(f"    explain: the built-in loop as TRL{_with(start)}: " + _said(state, self.steps))
+        while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
+            first = state.agree + 1
+            current = apply_alignment(self.base, {"set": state.changes})
+            opts = [o for o in options(current, set(self.judge.columns), start)
+                    if o.acts_from <= first and o.key not in state.changes]
+            horizon = min(self.steps, first + LOOKAHEAD)
+            here = self.trial(state.changes, horizon)  # the current set, judged over the same steps
+            singles = [t for t in (self.trial({**state.changes, o.key: o.value}, horizon) for o in opts)
+                       if t.error is None]
+            singles.sort(key=Trial.score, reverse=True)
+            best = singles[0] if singles else None
+            if best is None or best.agree <= here.agree:  # none alone extends it: two at once (the closest few)
+                pool = singles[:PAIR_POOL]
+                pairs = [self.trial({**a.changes, **b.changes}, horizon) for i, a in enumerate(pool)
+                         for b in pool[i + 1:] if set(a.changes) - set(state.changes) != set(b.changes) - set(state.changes)
+                         and not (set(a.changes) - set(state.changes)) & (set(b.changes) - set(state.changes))]
+                pairs = [t for t in pairs if t.error is None and t.agree > here.agree]
+                if pairs:
+                    best = max(pairs, key=Trial.score)
+            if best is None or not best.better_than(here):
+                break
+            added = {k: v for k, v in best.changes.items() if k not in state.changes}
+            trace.append({"at_step": first, "changes": added, "agree_before": state.agree, "agree_after": best.agree})
+            self.log(f"    explain: at step {first}, {_with(added, 'with')}: " + _said(best, horizon))
+            state = self.whole(best.changes)
+            if state.agree > horizon or state.agree == self.steps:
+                self.log(f"    explain: over the whole run{_with(state.changes)}: " + _said(state, self.steps))
+        if state.agree == self.steps:
+            state = self.prune(state, start)
+        return state, trace
+
+    def prune(self, state: Trial, start: dict) -> Trial:
+        """Drop every kept field that parity holds without (a partial match kept on the way, say)."""
+        for key in [k for k in state.changes if k not in start]:
+            rest = {k: v for k, v in state.changes.items() if k != key}
+            t = self.whole(rest)
+            if t.agree == self.steps:
+                self.log(f"    explain: {key} is not needed (parity holds without it): dropped")
+                state = t
+        return state
 
 
-def explain(spec, cell_dir: Path, result: dict, log=print) -> dict:
-    """Search TRL's settings for your loop's behaviour on the rollouts of `cell_dir`. Returns the attribution entry:
-    cause, status (`confirmed`: TRL with these fields reaches parity with your loop; `suspected`: the closest
-    candidate), fix (the `[trl]` fields and a sentence) and the number of TRL runs it took."""
+def _capped(t: Trial, horizon: int) -> Trial:
+    """A trial as it stands within `horizon` steps (one that ran further agreed through the horizon at least)."""
+    if t.agree >= horizon:
+        return dataclasses.replace(t, agree=horizon, outside=[], far=0.0)
+    return t
+
+
+def _with(changes: dict, lead: str = " with") -> str:
+    return f"{lead} " + ", ".join(f"{k} = {_toml(v)}" for k, v in changes.items()) if changes else ""
+
+
+def _said(t: Trial, horizon: int) -> str:
+    if t.error:
+        return f"not applicable ({t.error})"
+    if not t.outside and t.agree >= horizon:
+        return f"agrees through step {t.agree}"
+    parts = f"parts at step {t.agree + 1} on {', '.join(t.outside[:4])}"
+    return parts if t.agree == 0 else f"agrees through step {t.agree}, then {parts}"
+
+
+def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
+    """Explain the cell's divergence (your loop against TRL on the rollouts of `cell_dir`): the attribution entries,
+    the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
+    written table where no quirk is left, match your loop at every step; `suspected` otherwise)."""
+    from harness.diagnose import noise
     from harness.diagnose.compare import load_any_run
     from harness.diagnose.pairs import compare_sides
     from harness.rollouts.lockstep import ROLLOUTS_FILE, ReplaySource
-    from trl_runner.runner import train as train_trl
-    from trl_runner.translate import translate
 
+    t0 = time.perf_counter()
     cell_dir = Path(cell_dir)
     yours_dir = cell_dir / "yours"
     yours = load_any_run(yours_dir)
-    tol = load_tolerances()
-    base_kwargs = translate(spec).kwargs
+    envelope = noise.load(cell_dir)
     records = ReplaySource.from_file(cell_dir / ROLLOUTS_FILE).records
     root = cell_dir / "explain"
     if root.exists():
         shutil.rmtree(root)
-    cache: dict[tuple, tuple[float, dict | None]] = {}
+    base = scratch_as_trl(spec)
+    read, said = settings_from_log(yours, base)
+    fd = result.get("first_divergence") or {}
+    outside_first = sorted(m for m, v in result.get("metrics", {}).items()
+                           if isinstance(v, dict) and v.get("first_outside") == fd.get("step"))
+    notes = [f"at step {fd.get('step')} these are outside tolerance: {', '.join(outside_first)}"] if outside_first else []
+    notes += said
+    skipped = steps_logged_words(yours, spec)
+    if skipped:
+        notes.append(skipped)
+    for n in notes:
+        log(f"    {n}")
+    search = Search(base, yours, records, root, envelope, log)
+    state, trace = search.run(read)
+    changes = state.changes
+    trl = trl_fields(base, changes) if changes else {}
+    quirks = {k: v for k, v in changes.items() if not trl_fields(base, {k: v})}
+    differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
+                    "read_from_log": k in read} for k, v in changes.items()]
+    cost = {"runs": search.runs, "steps": search.steps_run, "seconds": round(search.seconds, 1)}
+    entry = {"cause": "+".join(sorted(trl) + sorted(quirks)) or "your loop", "fields": sorted(trl),
+             "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
+    if state.agree < search.steps:
+        where = (f"; even it parts at step {state.agree + 1} on {', '.join(state.outside[:4])}" if state.outside
+                 else "")
+        closest = _sentence(trl, quirks, None) if changes else "the spec's own settings"
+        text = (f"no setting the search knows matches your loop at every step (closest: {closest}{where}); the "
+                "difference is outside what TRL and the built-in loop's switches can be set to")
+        entry.update(status="suspected", evidence=text, fix={"trl": trl, "scratch": quirks, "sentence": text},
+                     runs=search.runs)
+        log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
+        return [entry]
+    # every step agrees on what training computes: the whole comparison, as the cell was judged
+    final = compare_sides(spec, yours_dir, Path(state.folder), "lockstep", envelope)
+    final_fd = final.get("first_divergence")
+    derived = final.get("defined_differently", [])
+    weights_off = "param_rel_l2" in final.get("outside", [])
+    path = cell_dir.parent / EXPLAIN_FILE
+    _write_table(path, trl, quirks, cell_dir.name, search.runs)
+    confirmed_by_trl = None
+    if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
+        confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope)
+        search.runs += 1
+    sentence = _sentence(trl, quirks, path)
+    if derived:
+        sentence += "; " + defined_differently_words(derived, final)
+    ok = not weights_off and final_fd is None and confirmed_by_trl is not False
+    status = "confirmed" if ok else "suspected"
+    if weights_off:
+        sentence += ("; but the final weights still differ beyond tolerance: a difference no logged metric shows "
+                     "(log grad_norm, or save the weights at more steps)")
+    elif final_fd is not None:
+        sentence += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
+    if confirmed_by_trl is False:
+        sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
+    entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
+                 runs=search.runs, written=str(path), defined_differently=derived,
+                 confirmed_by={"scratch": True, "trl": confirmed_by_trl})
+    entry["cost"] = {**cost, "runs": search.runs, "seconds": round(time.perf_counter() - t0, 1)}
+    log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
+    return [entry]
 
-    def trial(changes: dict) -> tuple[float, dict | None]:
-        key = tuple(sorted((k, json.dumps(v)) for k, v in changes.items()))
-        if key in cache:
-            return cache[key]
-        name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_") or "base"
-        run_dir = root / name / "trl"
-        try:
-            candidate = apply_alignment(spec, {"set_trl": changes})
-            train_trl(candidate, run_dir, rollout_source=ReplaySource(records), progress=False, lockstep=True)
-            comparison = compare_sides(spec, yours_dir, run_dir, "lockstep")
-            d = 0.0 if comparison["first_divergence"] is None else max(  # diverged is never distance 0
-                distance(yours, load_any_run(run_dir), spec.DTYPE, tol), 1e-12)
-            cache[key] = (d, comparison)
-        except Exception as e:  # a candidate TRL refuses, or that breaks lockstep: not an explanation
-            log(f"      {name}: not applicable ({type(e).__name__}: {str(e)[:80]})")
-            cache[key] = (math.inf, None)
-        return cache[key]
 
-    base_d = distance(yours, load_any_run(cell_dir / "trl"), spec.DTYPE, tol)
-    cache[()] = (base_d, result)
-    chosen: dict = {}
-    best_d = base_d
-    options = candidates(spec, base_kwargs, set(yours.columns))
-    for depth in range(1, MAX_DEPTH + 1):
-        tried = []
-        for field, value in options:
-            if field in chosen:
-                continue
-            changes = {**chosen, field: value}
-            d, comparison = trial(changes)
-            log(f"    explain: TRL with {_words(changes)}: " + ("parity" if d == 0.0 else f"distance {d:.3g}"))
-            if d == 0.0:
-                return _entry(changes, comparison, len(cache) - 1, cell_dir, spec)
-            tried.append((d, field, value))
-        if not tried:
-            break
-        d, field, value = min(tried, key=lambda t: t[0])
-        if not d < best_d * IMPROVES:
-            break
-        chosen, best_d = {**chosen, field: value}, d
-    closest = cache[tuple(sorted((k, json.dumps(v)) for k, v in chosen.items()))][1] if chosen else result
-    fd = (closest or {}).get("first_divergence") or result.get("first_divergence") or {}
-    where = f"; even it parts at step {fd.get('step')} on {fd.get('metric')}" if fd else ""
-    text = (f"no TRL setting tried matches your loop (closest: TRL with {_words(chosen)}{where}); the difference is "
-            "outside what TRL can be set to, or in a field the search does not try") if chosen else \
-        f"no single TRL setting tried brings TRL closer to your loop{where}"
-    return {"cause": "your loop vs TRL", "status": "suspected", "fields": sorted(chosen), "evidence": text,
-            "fix": {"trl": chosen, "scratch": {}, "sentence": text}, "runs": len(cache) - 1}
+_HOW_TRL_LOGS = {"kl": "a mean over each micro-batch's completion tokens, micro-batches cut from the shuffled batch, "
+                       "then over micro-batches", "entropy": "as kl: per micro-batch of the shuffled batch, then over them",
+                 "clip_ratio/": "per micro-batch of the shuffled batch, then over them",
+                 "reward": "the batch mean of the weighted sum of the reward functions",
+                 "completions/": "token counts through the first eos"}
 
 
-def _words(changes: dict) -> str:
-    return ", ".join(f"{k}={_toml(v)}" for k, v in changes.items()) or "the spec's own settings"
+def defined_differently_words(metrics: list[str], comparison: dict) -> str:
+    """'kl is defined differently in your loop (TRL: ...); training agrees (...)'."""
+    hows = []
+    for m in metrics:
+        how = next((v for k, v in _HOW_TRL_LOGS.items() if m == k or (k.endswith("/") and m.startswith(k))
+                    or m.startswith(k + "_")), None)
+        hows.append(f"{m} (TRL's: {how})" if how else m)
+    trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in comparison.get("metrics", {})]
+    names = {"param_rel_l2": "the final weights"}
+    return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
+            f"training agrees ({', '.join(names.get(m, m) for m in trains)} within tolerance at every step)")
+
+
+def scratch_as_trl(spec):
+    """The spec with the built-in loop set up as TRL is (every difference the preflight lists aligned on the scratch
+    side): the search's starting point, so that what it finds is a difference from TRL."""
+    from harness.diagnose.preflight import preflight
+
+    _tr, diffs, _facts = preflight(spec)
+    sets = {}
+    for d in diffs:
+        sets.update(d.align.get("set", {}))
+    return apply_alignment(spec, {"set": sets}) if sets else spec
+
+
+def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope) -> bool:
+    """TRL with the table on the same rollouts against your loop: parity?"""
+    from harness.diagnose.pairs import compare_sides
+    from harness.rollouts.lockstep import ReplaySource
+    from trl_runner.runner import train as train_trl
+
+    candidate = apply_alignment(spec, {"set_trl": trl})
+    train_trl(candidate, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
+    return compare_sides(candidate, yours_dir, folder / "trl", "lockstep", envelope)["first_divergence"] is None
+
+
+def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
+    parts = []
+    if trl:
+        parts.append(f"your loop is TRL with {', '.join(f'{k} = {_toml(v)}' for k, v in trl.items())}"
+                     + (f" (written to {path})" if path else ""))
+    if quirks:
+        said = "; ".join(words(k, v).removeprefix("your loop ") for k, v in quirks.items())
+        scratch = ", ".join(f"{k} = {_toml(v)}" for k, v in quirks.items())
+        parts.append(("plus" if trl else "your loop is TRL except that it") + f" {said}: TRL has no setting for "
+                     f"{'it' if len(quirks) == 1 else 'these'} (the built-in loop with {scratch} matches your loop)")
+    return ", ".join(parts) if parts else "your loop is TRL as the spec sets it up"
+
+
+def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int) -> None:
+    lines = ["# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation does what",
+             f"# your loop does on the same rollouts (cell {cell}, {runs} runs of the search).",
+             "[trl]"] + [f"{k} = {_toml(v)}" for k, v in trl.items()]
+    if quirks:
+        lines += ["", "# What TRL has no setting for; the built-in loop reproduces it with these spec fields:"]
+        lines += [f"# {k} = {_toml(v)}    ({words(k, v)})" for k, v in quirks.items()]
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return json.dumps(value) if isinstance(value, str) else repr(value)
-
-
-def _entry(changes: dict, comparison: dict, runs: int, cell_dir: Path, spec) -> dict:
-    steps = comparison.get("steps", [spec.STEPS])[0] if comparison else spec.STEPS
-    path = cell_dir.parent / EXPLAIN_FILE
-    lines = ["# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation matched",
-             f"# your loop on the same rollouts at every step (cell {cell_dir.name}, {runs} TRL runs searched).",
-             "[trl]"] + [f"{k} = {_toml(v)}" for k, v in changes.items()]
-    atomic_write_text(path, "\n".join(lines) + "\n")
-    sentence = (f"your loop matches TRL with {_words(changes)} (steps 1-{steps} within tolerance): set "
-                f"{'them' if len(changes) > 1 else 'it'} in [trl] to match (written to {path})")
-    return {"cause": "+".join(changes), "status": "confirmed", "fields": sorted(changes), "evidence": sentence,
-            "fix": {"trl": changes, "scratch": {}, "sentence": sentence}, "runs": runs, "written": str(path)}

@@ -163,6 +163,8 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         v["tolerance"] = {"mode": result.get("tolerance_mode", "static"), "k": result.get("k_noise")}
         v["only_in"] = {cell.sides[0]: result["only_in_a"], cell.sides[1]: result["only_in_b"]}
         v["notes"] = result["notes"]
+        if result.get("defined_differently"):  # your loop: only statistics part, training agrees
+            v["defined_differently"] = result["defined_differently"]
         v["updates"] = update_summary(cell_dir, cell.sides)
         lost = lost_updates_warning(cell.spec, v["updates"])
         if lost:
@@ -447,6 +449,12 @@ def _fix_sentences(cell: dict) -> list[str]:
     return out
 
 
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
 def _capital(text: str) -> str:
     """A sentence's first letter up, unless it starts with a cause's name (batch, loss_type, ...)."""
     head = text.split(" ", 1)[0]
@@ -470,11 +478,29 @@ def headline(doc: dict) -> dict:
         if not fd:
             within = ("within the seed-to-seed noise (free mode)" if doc.get("mode") == "free"
                       else "on every step within tolerance (lockstep mode)")
-            return {"sentence": f"The two loops agree {within}.", "items": []}
+            if c.get("defined_differently"):
+                from harness.diagnose.explain import defined_differently_words
+
+                items.append(_capital(defined_differently_words(c["defined_differently"], c)) + ".")
+            return {"sentence": f"The two loops agree {within}.", "items": items}
         sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
         detail = c.get("attribution_detail") or []
         confirmed = [d for d in detail if d.get("status") == "confirmed"]
         reruns = max((d.get("reruns", 0) + d.get("reused", 0) for d in detail), default=0)
+        if "yours" in c.get("sides", ()) and detail and detail[0].get("differences") is not None:
+            lead = detail[0]
+            cost = lead.get("cost") or {}
+            sentence += (" Re-running the built-in loop, set up as TRL, on the same rollouts with candidate settings "
+                         + ("found every difference" if lead["status"] == "confirmed" else "found no full match")
+                         + f" ({cost.get('runs', 0)} runs, {cost.get('steps', 0)} steps, {cost.get('seconds', 0):g} s):")
+            items += [_capital(why) + "." for why in _fix_sentences(c)]
+            for d in lead["differences"]:
+                how = ", ".join(f"{k} = {_toml_value(v)}" for k, v in d["trl"].items())
+                items.append(f"{d['field']} = {_toml_value(d['value'])}: {d['words']}"
+                             + (f" ([trl] {how})" if d["trl"] else " (TRL has no setting for it)")
+                             + (", read from your log" if d.get("read_from_log") else "") + ".")
+            items += [_capital(n) + "." for n in lead.get("notes", [])]
+            return {"sentence": sentence, "items": items}
         if confirmed and "yours" in c.get("sides", ()):
             sentence += " Re-running TRL on the same rollouts with other settings found what your loop does:"
         elif len(confirmed) > 1:

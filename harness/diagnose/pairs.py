@@ -306,7 +306,12 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> d
         result["notes"].append(f"not compared (logged by one side only): {', '.join(not_compared[:12])}"
                                + (" ..." if len(not_compared) > 12 else ""))
     yours, other = (a_dir, b_dir) if a_dir.name == "yours" else (b_dir, a_dir)
+    from harness.diagnose.compare import steps_logged_words
     from loop_runner.run import final_weights_distance
+
+    skipped = steps_logged_words(a if yours == a_dir else b, spec)
+    if skipped:
+        result["notes"].append(skipped)
 
     found = final_weights_distance(yours, other, spec.SEED)
     if found is not None:
@@ -326,6 +331,30 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> d
             if result["first_divergence"] is None or result["first_divergence"]["step"] > step:
                 result["first_divergence"] = {"step": step, "metric": "param_rel_l2"}
             result["outside"] = sorted(set(result["outside"]) | {"param_rel_l2"})
+    return _defined_differently(result)
+
+
+def _defined_differently(result: dict) -> dict:
+    """Your loop against another side: when only statistics of the completions or the policy part (kl, entropy,
+    clip ratios, rewards, lengths) while what training computes agrees (the loss, and grad_norm or the final
+    weights, compared and within tolerance), the runs train alike and those metrics are defined differently in your
+    loop (a kl averaged over the round's tokens where TRL averages per micro-batch, say): listed in
+    `defined_differently`, not a divergence."""
+    from harness.diagnose.compare import is_derived
+
+    outside = result.get("outside", [])
+    metrics = result.get("metrics", {})
+    if not outside or not all(is_derived(m) for m in outside):
+        return result
+    trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in metrics]
+    if "loss" not in trains or len(trains) < 2:  # the loss alone agreeing says too little
+        return result
+    result["defined_differently"] = sorted(outside)
+    steps = {m: metrics[m].get("first_outside") for m in outside}
+    result["notes"].append(
+        "defined differently in your loop: " + ", ".join(f"{m} (from step {s})" for m, s in steps.items())
+        + f"; training agrees ({', '.join(trains)} within tolerance at every compared step)")
+    result["first_divergence"], result["outside"] = None, []
     return result
 
 

@@ -71,6 +71,9 @@ QUIRKS = {
     "COMPLETION_MASK": ("eos", "completion tokens the loss counts", {
         "no_eos": "leaves the eos token out of the loss; TRL counts it and has no option to drop it",
         "all": "counts the padding after short completions in the loss; TRL masks it and has no option to count it"}),
+    "EOS_ATTENTION": ("attend", "eos tokens in attention", {
+        "mask": "masks every eos (the prompt's too) out of attention, positions counting only attended tokens (pad = "
+                "eos); TRL attends to them and has no option not to"}),
     "LOGP_ON_RAW_LOGITS": (False, "log-probs on raw logits", {
         True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option not to"}),
     "KL_ESTIMATOR": ("k3", "KL estimator", {

@@ -207,6 +207,11 @@ class Spec:
     COMPLETION_MASK: str = _f("eos", "Which completion tokens the loss counts: `eos` (every token through the eos, as "
                               "TRL), `no_eos` (the eos token left out), `all` (the padding after short completions "
                               "too).", choices=("eos", "no_eos", "all"))
+    EOS_ATTENTION: str = _f("attend", "How the forward passes treat eos tokens: `attend` (as TRL: the attention mask "
+                            "is the padding mask) or `mask` (every eos, the prompt's too, out of attention, positions "
+                            "counting only attended tokens: a loop whose pad token is its eos and whose attention mask "
+                            "is `ids != pad`, as tiny-grpo's). With `mask` such loops usually also drop the eos from "
+                            "the loss: COMPLETION_MASK = \"no_eos\".", choices=("attend", "mask"))
     LOGP_ON_RAW_LOGITS: bool = _f(False, "Log-probs on the raw logits instead of logits / TEMPERATURE (TRL divides "
                                   "by the temperature; at TEMPERATURE = 1 the two agree).")
     KL_ESTIMATOR: str = _f("k3", "KL estimator when BETA > 0: `k3` (exp(d) - d - 1, TRL's), `k1` (logp - ref) or "

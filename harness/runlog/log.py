@@ -242,3 +242,19 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def step_ranges(steps: list[int]) -> str:
+    """1, 2, 3, 5, 7, 8 -> '1-3, 5, 7-8'."""
+    out, start, prev = [], None, None
+    for s in sorted(steps):
+        if start is None:
+            start = prev = s
+        elif s == prev + 1:
+            prev = s
+        else:
+            out.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = prev = s
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return ", ".join(out)
