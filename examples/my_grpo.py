@@ -40,6 +40,7 @@ p.add_argument("--lr", type=float)
 p.add_argument("--adam-beta2", type=float)
 p.add_argument("--weight-decay", type=float)
 p.add_argument("--lr-schedule", choices=("constant", "linear"))
+p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
 args = p.parse_args()
 
@@ -150,6 +151,7 @@ for step in range(STEPS):
     for group in opt.param_groups:
         group["lr"] = lr
     step_loss, kls, kl_sum = 0.0, [], 0.0
+    seen_logp, seen_loss = [], []  # per micro-batch, in order: the round's rows for the tensor diff
 
     def token_logp(net, ids, attention, targets):
         with torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=BF16):
@@ -165,6 +167,7 @@ for step in range(STEPS):
         a = adv[mb].unsqueeze(1)
         per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         mask = loss_mask[mb].float()
+        seen_logp.append(logp.detach())
         if ref is not None:
             with torch.no_grad():
                 ref_logp = token_logp(ref, ids, attention, completion_ids[mb])
@@ -174,6 +177,7 @@ for step in range(STEPS):
             per_token = per_token + BETA * kl
             kls.append(((kl.detach() * mask).sum() / mask.sum().clamp(min=1)).item())
             kl_sum += (kl.detach() * mask).sum().item()
+        seen_loss.append(per_token.detach())
         if args.loss_agg == "seq":
             loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / ACCUM
         else:
@@ -181,6 +185,9 @@ for step in range(STEPS):
         loss.backward()
         step_loss += loss.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM if MAX_GRAD_NORM > 0 else math.inf)
+    if not args.no_tensors:  # parity: the first steps' tensors, for the harness's tensor diff (optional)
+        parity.tensors(step + 1, rewards=rewards, advantages=adv, mask=loss_mask, logps=torch.cat(seen_logp),
+                       per_token_loss=torch.cat(seen_loss), loss=step_loss, grad_norm=grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
 

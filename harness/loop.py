@@ -8,6 +8,8 @@ The harness runs your loop's command with these environment variables (docs/your
     PARITY_SEED         the seed of this run (free runs: one run per seed)
     PARITY_METRICS      where to append one JSON line per optimizer step: at least `step` and `loss`
     PARITY_WEIGHTS_OUT  optional: `save_pretrained` your final weights here, and the report shows the distance
+    PARITY_TENSORS      optional: `tensors(step, advantages=..., logps=..., ...)` appends the first steps' tensors
+                        here, and the harness names the first one that differs from the built-in loop's (as TRL)
 
 A typical loop changes in about ten lines:
 
@@ -31,7 +33,8 @@ import math
 import os
 from functools import lru_cache
 
-ENV = ("PARITY_INIT", "PARITY_SPEC", "PARITY_ROLLOUTS", "PARITY_SEED", "PARITY_METRICS", "PARITY_WEIGHTS_OUT")
+ENV = ("PARITY_INIT", "PARITY_SPEC", "PARITY_ROLLOUTS", "PARITY_SEED", "PARITY_METRICS", "PARITY_WEIGHTS_OUT",
+       "PARITY_TENSORS")
 
 
 def active() -> bool:
@@ -102,6 +105,22 @@ def log_step(step: int, **metrics) -> None:
         fh.write(json.dumps(row) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def tensors(step: int, **named) -> None:
+    """Save this optimizer step's tensors along GRPO's dataflow for the harness's tensor diff (a no-op outside
+    the harness and past `[loop] tensor_steps`): any of `rewards` (N,), `advantages` (N,), `mask` (N, T: the
+    tokens your loss counts), `logps`, `old_logps`, `ref_logps` (N, T: per-token log-probs of the completion
+    tokens), `per_token_loss` (N, T, before aggregation), `loss` and `grad_norm` (numbers). N is every completion
+    of the round in the rollout's order (concatenate your micro-batches back); T any width (each row is read up
+    to its completion's length). Tensors, numpy arrays, lists or numbers; standard library only here (`.tolist()`
+    is called on what has it)."""
+    from harness.runlog.tensors import write_row
+
+    path = os.environ.get("PARITY_TENSORS")
+    if not path or int(step) > int(spec().get("loop", {}).get("tensor_steps", 2)):
+        return
+    write_row(path, step, named)
 
 
 def weights_out() -> str | None:

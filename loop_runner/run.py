@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness.runlog.tensors import TENSORS_FILE  # what harness.loop.tensors writes (PARITY_TENSORS)
+
 RAW_METRICS = "loop_metrics.jsonl"
 WEIGHTS_DIR = "weights"
 STDOUT, STDERR = "stdout.log", "stderr.log"
@@ -107,7 +109,9 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
     shutil.rmtree(weights, ignore_errors=True)  # weights an earlier run left must not pass for this run's
     env = {**os.environ, "PARITY_INIT": str(ckpt), "PARITY_SPEC": str((out_dir / "spec.json").resolve()),
            "PARITY_SEED": str(spec.SEED), "PARITY_METRICS": str(raw_path.resolve()),
-           "PARITY_WEIGHTS_OUT": str(weights.resolve())}
+           "PARITY_WEIGHTS_OUT": str(weights.resolve()),
+           "PARITY_TENSORS": str((out_dir / TENSORS_FILE).resolve())}
+    (out_dir / TENSORS_FILE).unlink(missing_ok=True)  # an earlier run's tensors must not pass for this run's
     env.pop("PARITY_ROLLOUTS", None)
     # `python` in the command is the interpreter the harness runs under (its venv), found first on PATH
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])

@@ -56,7 +56,8 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     return core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
 
 
-def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False, stop_when=None):
+def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False, stop_when=None,
+          tensor_steps: int = 0):
     """Train per `spec`, writing the metric log and manifest to `out_dir`. Returns the run folder.
 
     `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
@@ -66,7 +67,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     calibrated tolerance measures (harness/diagnose/noise.py).
     `stop_when(row) -> bool`, called with each logged step's row: True ends the run there, that step logged (the
     explanation search runs a candidate only as far as its question needs; the schedule still spans STEPS).
+    `tensor_steps`: save the first that many steps' tensors along the dataflow (rewards, advantages, the loss's
+    mask, log-probs, per-token loss; rows in the rollout's order) to `tensors.jsonl` (harness/runlog/tensors.py),
+    for the tensor diff against a loop of yours.
     """
+    from harness.runlog.tensors import TENSORS_FILE, write_row
     from harness.experiment.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
     from harness.runlog.params import ParamSketch
     from harness.experiment.models import checkpoint_dir, eos_token_ids, load_model, load_tokenizer, resolve_device
@@ -130,6 +135,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
              "noise_twin": noise_twin}
     writer = RunWriter(out_dir, "scratch", spec, device, extra)
     sketch = ParamSketch(model, writer.dir, seed=spec.SEED)  # the weights after each step, for lockstep parity
+    (writer.dir / TENSORS_FILE).unlink(missing_ok=True)  # an earlier run's tensors must not pass for this run's
     bar = Progress(spec.STEPS, "scratch", progress)
     step, tokens_seen, prompts_seen = 0, 0, 0
     stopped = False
@@ -237,6 +243,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                     micro_batches = micro_batches.flip(0)
                 lr_now = optimizer.param_groups[0]["lr"]
                 step_loss, mb_stats = 0.0, []
+                capture = step < tensor_steps  # this step's tensors, in the rollout's order, for the tensor diff
+                if capture:
+                    seen_logps = torch.full(c_ids.shape, float("nan"))
+                    seen_loss = torch.full(c_ids.shape, float("nan"))
                 for mb in micro_batches:
                     with autocast_for(device, spec.DTYPE):
                         logp, entropy = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
@@ -258,8 +268,14 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                         stats["kl"] = core.masked_mean(kl.detach(), mask)
                     loss = core.aggregate_loss(per_token, l_mask[mb].float(), "sum" if spec.LOSS_SUM else spec.LOSS_NORM,
                                                GA, spec.MAX_TOKENS, step_tokens)
-                    loss.backward()
-                    step_loss += loss.item()
+                    if capture:
+                        seen_logps[mb.cpu()] = logp.detach().float().cpu()
+                        seen_loss[mb.cpu()] = per_token.detach().float().cpu()
+                    # a quirk: a completion with no loss token makes an unguarded mean NaN, and the loop skips it all
+                    skip = spec.EMPTY_SKIP and bool((l_mask[mb].sum(-1) == 0).any())
+                    if not skip:
+                        loss.backward()
+                        step_loss += loss.item()
                     stats.update(core.clip_stats(rho.detach(), adv[mb], mask, spec.CLIP_LOW, spec.CLIP_HIGH))
                     mb_stats.append(stats)
                 clip_to = spec.MAX_GRAD_NORM if spec.MAX_GRAD_NORM > 0 else math.inf
@@ -270,6 +286,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 step += 1
                 t_harness = time.perf_counter()  # bookkeeping from here to the log line counts as harness time
                 sketch.record(model)
+                if capture:
+                    write_row(writer.dir / TENSORS_FILE, step, {
+                        "rewards": rewards, "advantages": advantages, "mask": l_mask, "logps": seen_logps,
+                        "old_logps": logp_old, "ref_logps": ref_logps, "per_token_loss": seen_loss,
+                        "loss": step_loss, "grad_norm": grad_norm})
 
                 # ---- 6. log this optimizer step ------------------------------------------------------------
                 row = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": lr_now}

@@ -35,12 +35,13 @@ CASES = {
     # one quirk TRL cannot set: found from the step-1 gradient alone
     "one": ("--std-eps 1e-8", {}, {"STD_EPS": 1e-08}),
     # the issue's two-field loop: beta acts from step 2, adam_beta2 only from step 3
-    "two": ("--beta 0.01 --adam-beta2 0.999", {"beta": 0.01, "adam_beta2": 0.999}, {}),
+    "two": ("--beta 0.01 --adam-beta2 0.999 --no-tensors", {"beta": 0.01, "adam_beta2": 0.999}, {}),
     # a schedule read from the log, an optimizer field, the eos out of the loss (weight decay 0.01 would be below
     # this 8-step run's noise: 3.7e-5 of the weights against a calibrated bound of 5.5e-5)
-    "three": ("--lr-schedule linear --weight-decay 0.1 --no-eos-in-loss",
+    "three": ("--lr-schedule linear --weight-decay 0.1 --no-eos-in-loss --no-tensors",
               {"lr_scheduler_type": "linear", "weight_decay": 0.1}, {"COMPLETION_MASK": "no_eos"}),
-    # two quirks at step 1 at once (no single change explains step 1), a KL penalty and Adam's beta2
+    # two quirks at step 1 at once (no single change explains step 1: the tensor diff names both), a KL penalty and
+    # Adam's beta2 (cases two and three save no tensors: the search alone)
     "four": ("--std-eps 1e-8 --no-eos-in-loss --beta 0.01 --adam-beta2 0.999",
              {"beta": 0.01, "adam_beta2": 0.999}, {"STD_EPS": 1e-08, "COMPLETION_MASK": "no_eos"}),
 }
@@ -130,3 +131,68 @@ def test_a_loop_that_stops_short_is_told_the_steps_it_logged(tmp_path):
     spec = load_spec(DEFAULT_SPEC, [f"loop.command={json.dumps(f'{sys.executable} {loop}')}", "STEPS=8"])
     with pytest.raises(LoopError, match=r"logged 4 steps \(1-2, 4-5; none for step 3\) and exited after step 5"):
         train(spec, tmp_path / "run")
+
+
+def test_a_one_difference_loop_is_explained_from_its_tensors_alone(tmp_path):
+    """The loop saves its first steps' tensors (harness.loop.tensors): the diff names the advantages as the first
+    link that differs, recomputes them with the std epsilon that gives the loop's, and that one guess is confirmed
+    over every step: no candidate searched, no TRL re-run (a quirk). The report draws the chain."""
+    doc, found = explained(tmp_path, "--std-eps 1e-8")
+    diff = found["tensor_diff"]
+    assert diff["first"]["tensor"] == "advantages" and diff["first"]["step"] == 1, diff["first"]
+    assert {"STD_EPS": 1e-08} in diff["guesses"]
+    assert [(c["tensor"], c["status"]) for c in diff["chain"][:3]] == [("rewards", "same"), ("advantages", "differs"),
+                                                                      ("mask", "same")]
+    assert found["status"] == "confirmed" and found["fix"]["scratch"] == {"STD_EPS": 1e-08}
+    assert found["differences"][0]["from_tensors"] and found["trace"][0]["from_tensors"]
+    assert found["confirmed_by"]["trl"] is None and not (tmp_path / "yours-vs-trl" / "explain" / "trl-with-table").exists()
+    assert found["cost"]["runs"] <= 5  # the tensors, the spec as it is, the guess, the pruning check, the final one
+    from reports.render import write_parity_report
+
+    html = write_parity_report(tmp_path).read_text()
+    assert '<span class="link first">advantages' in html and "by the tensor diff" in html
+
+
+def test_tensor_patterns_name_the_mask_and_the_loss_normalisation():
+    """Known answers: the eos dropped from the loss, and a loss aggregated over tokens, from hand-made tensors."""
+    from harness.diagnose.tensordiff import diff
+
+    spec = load_spec(DEFAULT_SPEC, ["GROUP_SIZE=2", "GRAD_ACCUM=1"])
+    lengths = {1: [3, 2]}
+    ref = {1: {"rewards": [1.0, 0.0], "mask": [[1, 1, 1], [1, 1, 0]], "logps": [[-1.0, -2.0, -0.5], [-1.5, -0.25, 0.0]]}}
+    mine = {1: {"rewards": [1.0, 0.0], "mask": [[1, 1, 0], [1, 0, 0]], "logps": ref[1]["logps"]}}
+    found = diff(mine, ref, spec, lengths, [2], False)
+    assert found["first"]["tensor"] == "mask" and found["guesses"][0] == {"COMPLETION_MASK": "no_eos"}
+    assert found["first"]["where"]["rows"] == 2 and found["first"]["where"]["first"] == {"group": 0, "sequence": 0,
+                                                                                          "token": 2}
+    per_token = [[0.5, -0.5, 1.0], [2.0, 1.0, 0.0]]
+    token_mean = (0.5 - 0.5 + 1.0 + 2.0 + 1.0) / 5  # dapo: over every token of the step
+    ref = {1: {"per_token_loss": per_token, "mask": [[1, 1, 1], [1, 1, 0]], "loss": (1.0 / 3 + 3.0 / 2) / 2}}
+    mine = {1: {"per_token_loss": per_token, "mask": [[1, 1, 1], [1, 1, 0]], "loss": token_mean}}
+    found = diff(mine, ref, spec, lengths, [2], False)
+    assert found["first"]["tensor"] == "loss" and {"LOSS_NORM": "token_global"} in found["guesses"]
+    assert diff(ref, ref, spec, lengths, [2], False)["first"] is None
+
+
+def test_empty_skip_drops_the_micro_batch_that_holds_an_eos_only_completion(tmp_path):
+    """EMPTY_SKIP (tiny-grpo's `if not loss.isfinite(): continue`): with the eos out of the loss an eos-only
+    completion has no loss token; with one micro-batch per step the whole step's backward is skipped (grad_norm 0,
+    loss 0), while without the quirk the step trains on the other completions."""
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+    from harness.runlog.log import read_run
+    from scratch_grpo.train import train
+
+    sets = ["STEPS=2", "GRAD_ACCUM=1", 'COMPLETION_MASK="no_eos"', 'rewards.functions=["noise"]', "rewards.weights=[1.0]"]
+    ckpt = checkpoint_dir(load_spec(DEFAULT_SPEC, sets))  # a seeded noise reward: every group has advantages
+    eos = eos_token_ids(generation_config(ckpt), load_tokenizer(ckpt))[0]
+
+    def source(round_idx, prompt_ids, policy):  # the first completion of round 0 is the eos alone
+        return [[eos] if (round_idx, i) == (0, 0) else [5 + i % 7, 6, eos] for i in range(len(prompt_ids))], None
+
+    runs = {}
+    for skip in (False, True):
+        quirk = load_spec(DEFAULT_SPEC, [*sets, f"EMPTY_SKIP={str(skip).lower()}"])
+        runs[skip] = read_run(train(quirk, tmp_path / str(skip), rollout_source=source, progress=False))
+    assert runs[True]["grad_norm"].iloc[0] == 0.0 and runs[True]["loss"].iloc[0] == 0.0
+    assert runs[False]["grad_norm"].iloc[0] > 0.0
+    assert runs[True]["grad_norm"].iloc[1] > 0.0  # round 1 has no empty completion: it trains

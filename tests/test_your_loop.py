@@ -140,7 +140,7 @@ def test_the_docs_commands_run_as_written(tmp_path):
 
     doc = (ROOT / "docs" / "your-loop.md").read_text()
     commands = re.findall(r"^\$ (python -m harness .+?)\s+# exit (\d)$", doc, flags=re.M)
-    assert len(commands) == 4
+    assert len(commands) == 5
     for line, code in commands:
         argv = shlex.split(line.replace("runs/", f"{tmp_path}/"))
         argv = [sys.executable if a == "python" else a for a in argv]
@@ -148,6 +148,9 @@ def test_the_docs_commands_run_as_written(tmp_path):
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == int(code), f"{line}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
     assert (tmp_path / "my-loop-2" / "your_loop_in_trl.toml").exists()
+    four = json.loads((tmp_path / "my-loop-4" / "verdict.json").read_text())["cells"][0]["attribution_detail"][0]
+    assert four["status"] == "confirmed" and four["fix"]["trl"] == {"beta": 0.01, "adam_beta2": 0.999}, four
+    assert four["fix"]["scratch"] == {"STD_EPS": 1e-08, "COMPLETION_MASK": "no_eos"}
 
 
 def test_a_loop_that_stops_early_is_an_error_not_parity(tmp_path):

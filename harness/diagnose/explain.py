@@ -40,9 +40,10 @@ from pathlib import Path
 
 from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
+from harness.diagnose.tensordiff import words as tensor_words
 from harness.runlog.atomic import atomic_write_text
 
-MAX_FIELDS = 6
+MAX_FIELDS = 10
 LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
 EXPLAIN_FILE = "your_loop_in_trl.toml"
 _IGNORE = ("step", "wall_s", "gen_s", "harness_s", "peak_mem_bytes", "step_time", "trl/epoch")
@@ -55,6 +56,10 @@ class Option:
     key: str
     value: object
     acts_from: int
+    also: tuple = ()  # (key, value) pairs that come with it (a KL penalty without TRL's ratio factor, say)
+
+    def changes(self) -> dict:
+        return {self.key: self.value, **dict(self.also)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,8 +85,9 @@ def options(spec, logged: set[str], read: dict) -> list[Option]:
     if spec.BETA > 0:
         out += [Option("KL_ESTIMATOR", v, 1) for v in ("k1", "k2") if v != spec.KL_ESTIMATOR]  # k3's gradient is 0 at 1
         out += [Option("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION, 2), Option("KL_IN_REWARD", True, 2)]
-    else:
+    else:  # a KL penalty, with TRL's factor of the policy ratio and (most hand-written loops) without it
         out += [Option("BETA", v, 2) for v in BETA_VALUES]
+        out += [Option("BETA", v, 2, (("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION),)) for v in BETA_VALUES]
     if "learning_rate" not in logged:  # else read from the log (settings_from_log), not searched
         out += [Option("LR", v, 2) for v in LR_VALUES if not math.isclose(v, spec.LR, rel_tol=1e-9)]
     out += [Option("WEIGHT_DECAY", v, 2) for v in (0.0, 0.01, 0.1) if v != spec.WEIGHT_DECAY]
@@ -97,6 +103,8 @@ def options(spec, logged: set[str], read: dict) -> list[Option]:
             Option("STD_EPS_INSIDE", not spec.STD_EPS_INSIDE, 1)]
     out += [Option("COMPLETION_MASK", v, 1) for v in ("no_eos", "all") if v != spec.COMPLETION_MASK]
     out += [Option("EOS_ATTENTION", "mask" if spec.EOS_ATTENTION == "attend" else "attend", 1)]
+    out += [Option("EMPTY_SKIP", not spec.EMPTY_SKIP, 1)]
+    out += [Option("LOGP_OLD", "forward", 1)] if spec.LOGP_OLD != "forward" else []
     out += [Option("LOSS_SUM", True, 1)] if not spec.LOSS_SUM else []
     if spec.TEMPERATURE != 1.0:
         out += [Option("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS, 1)]
@@ -156,6 +164,9 @@ _WORDS = {
                                   "all": "counts the padding after short completions in the loss",
                                   "eos": "counts every completion token through the eos"}[v],
     "LOSS_SUM": lambda v: "sums the per-token losses without normalising",
+    "EMPTY_SKIP": lambda v: ("skips the backward of a micro-batch holding a completion with no loss token (an "
+                             "unguarded 0/0 mean; TRL counts it as 0)" if v else "keeps such micro-batches"),
+    "LOGP_OLD": lambda v: "takes the old log-probs from an extra forward pass (TRL: the detached current ones)",
     "EOS_ATTENTION": lambda v: ("masks every eos token (the prompt's too) out of attention, positions counting only "
                                 "attended tokens: its pad token is its eos" if v == "mask" else "attends to eos tokens"),
     "LOGP_ON_RAW_LOGITS": lambda v: "takes log-probs of the raw logits (TRL: logits / temperature)",
@@ -232,13 +243,14 @@ class Judge:
 
         self.k = noise.k_of(self.tol)
 
-    def step(self, row: dict) -> tuple[list[str], float]:
-        """(the metrics outside tolerance at this step, how far outside in all: sum of log10(1 + excess))."""
+    def step(self, row: dict) -> tuple[list[str], float, float]:
+        """(the metrics outside tolerance at this step, how far outside in all: sum of log10(1 + excess), and how
+        near within it: the sum of |a - b| / tolerance over the metrics inside, each below 1)."""
         step = int(row["step"])
         mine = self.rows.get(step)
         if mine is None:  # a step your loop did not log: not compared
-            return [], 0.0
-        outside, far = [], 0.0
+            return [], 0.0, 0.0
+        outside, far, near = [], 0.0, 0.0
         for m in self.columns:
             a, b = mine.get(m), row.get(m)
             if a is None or b is None or (isinstance(a, float) and math.isnan(a)):
@@ -261,7 +273,9 @@ class Judge:
             if d > limit:
                 outside.append(m)
                 far += math.log10(1 + d / max(limit, 1e-30))
-        return outside, far
+            else:
+                near += d / max(limit, 1e-30)
+        return outside, far, near
 
 
 @dataclasses.dataclass
@@ -274,11 +288,13 @@ class Trial:
     folder: str
     error: str | None = None
     trl: bool = True  # every change has a TRL setting
+    near: float = 0.0  # how near within tolerance over the steps it agreed (a tie-break among look-alikes)
 
     def score(self):
-        """Agreement first; then fewer metrics outside where it parts; then nearer over the steps it ran; at a tie,
-        TRL's settings before the quirks."""
-        return (self.agree, -len(self.outside), -self.far, self.trl)
+        """Agreement first; then fewer metrics outside where it parts; then nearer over the steps it ran (outside,
+        then within tolerance: of two look-alikes the one nearer your loop); at a tie, TRL's settings before the
+        quirks."""
+        return (self.agree, -len(self.outside), -self.far, -round(self.near, 3), self.trl)
 
     def better_than(self, other: "Trial") -> bool:
         """It extends the agreement, or at equal agreement leaves fewer metrics outside, or (as many) brings them
@@ -306,6 +322,21 @@ class Search:
         self.runs, self.steps_run, self.seconds = 0, 0, 0.0
         self.cache: dict[tuple, Trial] = {}
 
+    def tensors(self, changes: dict, steps: int) -> Path:
+        """The built-in loop with `changes` over the first `steps` steps, saving their tensors: its run folder."""
+        from harness.rollouts.lockstep import ReplaySource
+        from scratch_grpo.train import train
+
+        t0 = time.perf_counter()
+        name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_")
+        folder = self.root / ("tensors" + (f"-{name}" if name else ""))[:120]
+        spec = apply_alignment(self.base, {"set": changes})
+        train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, tensor_steps=steps,
+              stop_when=lambda row: int(row["step"]) >= steps)
+        self.runs, self.steps_run, self.seconds = self.runs + 1, self.steps_run + steps, \
+            self.seconds + time.perf_counter() - t0
+        return folder
+
     def trial(self, changes: dict, horizon: int, stop_at_parting: bool = False) -> Trial:
         """The built-in loop with `changes`, run to `horizon` (or, `stop_at_parting`, until it parts from your loop):
         how long it agrees, what is outside where it parts, and how far outside over the steps it ran."""
@@ -318,11 +349,13 @@ class Search:
             return known
         name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_") or "base"
         folder = self.root / name[:120]
-        seen = {"agree": 0, "outside": None, "far": 0.0}
+        seen = {"agree": 0, "outside": None, "far": 0.0, "near": 0.0}
 
         def stop_when(row):
-            outside, far = self.judge.step(row)
+            outside, far, near = self.judge.step(row)
             seen["far"] += far
+            if seen["outside"] is None:
+                seen["near"] += near
             if outside and seen["outside"] is None:
                 seen["outside"] = outside
             if seen["outside"] is None:
@@ -343,7 +376,7 @@ class Search:
         self.runs += 1
         self.steps_run += ran
         out = Trial(changes, seen["agree"] if not error else -1, seen["outside"] or [], seen["far"], ran, str(folder),
-                    error, not any(not trl_fields(self.base, {k: v}) for k, v in changes.items()))
+                    error, not any(not trl_fields(self.base, {k: v}) for k, v in changes.items()), seen["near"])
         self.cache[key] = out
         return out
 
@@ -351,19 +384,32 @@ class Search:
         """Over every step, stopping where it parts."""
         return self.trial(changes, self.steps, stop_at_parting=True)
 
-    def run(self, start: dict) -> tuple[Trial, list[dict]]:
-        """Greedy over fields, judged by agreement: returns the best trial and the trace of kept fields."""
+    def run(self, start: dict, guesses: list[dict] = (), exact_first: bool = False) -> tuple[Trial, list[dict]]:
+        """Greedy over fields, judged by agreement: returns the best trial and the trace of kept fields. `guesses`:
+        changes the tensor diff points at, tried first (the one that extends the agreement most is kept)."""
         state = self.whole(start)
         trace = []
         self.log(f"    explain: the built-in loop as TRL{_with(start)}: " + _said(state, self.steps))
+        tried = [self.whole({**start, **g}) for g in guesses]
+        exact = [t for t in tried[:1] if t.error is None and exact_first]  # recomputed from tensors: kept as found
+        tried = [t for t in tried if t.error is None and t.better_than(state)]
+        if tried or exact:
+            best = max(tried, key=Trial.score) if tried else exact[0]
+            if exact and not exact[0].better_than(best) and len(exact[0].changes) > len(best.changes):
+                best = exact[0]  # every exact finding, unless a guess does better on the steps
+            added = {k: v for k, v in best.changes.items() if k not in start}
+            trace.append({"at_step": state.agree + 1, "changes": added, "agree_before": state.agree,
+                          "agree_after": best.agree, "from_tensors": True})
+            self.log(f"    explain: the tensor diff's {_with(added, 'guess,')}: " + _said(best, self.steps))
+            state = best
         while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
             first = state.agree + 1
             current = apply_alignment(self.base, {"set": state.changes})
             opts = [o for o in options(current, set(self.judge.columns), start)
-                    if o.acts_from <= first and o.key not in state.changes]
+                    if o.acts_from <= first and o.key not in state.changes and not any(k in state.changes for k, _ in o.also)]
             horizon = min(self.steps, first + LOOKAHEAD)
             here = self.trial(state.changes, horizon)  # the current set, judged over the same steps
-            singles = [t for t in (self.trial({**state.changes, o.key: o.value}, horizon) for o in opts)
+            singles = [t for t in (self.trial({**state.changes, **o.changes()}, horizon) for o in opts)
                        if t.error is None]
             singles.sort(key=Trial.score, reverse=True)
             best = singles[0] if singles else None
@@ -383,8 +429,9 @@ class Search:
             state = self.whole(best.changes)
             if state.agree > horizon or state.agree == self.steps:
                 self.log(f"    explain: over the whole run{_with(state.changes)}: " + _said(state, self.steps))
-        if state.agree == self.steps:
-            state = self.prune(state, start)
+        if state.agree == self.steps:  # what the tensor diff recomputed exactly stays: it was seen, not inferred
+            state = self.prune(state, {**start, **{k: v for t in trace if t.get("from_tensors")
+                                                   for k, v in t["changes"].items()}})
         return state, trace
 
     def prune(self, state: Trial, start: dict) -> Trial:
@@ -449,21 +496,32 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     for n in notes:
         log(f"    {n}")
     search = Search(base, yours, records, root, envelope, log)
-    state, trace = search.run(read)
+    found = _tensor_diff(spec, search, read, yours_dir, records, log)
+    if tensor_words(found):
+        notes.insert(0, tensor_words(found))
+    guesses = (found or {}).get("guesses", [])
+    exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
+    state, trace = search.run(read, guesses, exact_first)
+    from_tensors = {k for t in trace if t.get("from_tensors") for k in t["changes"]}
     changes = state.changes
     trl = trl_fields(base, changes) if changes else {}
     quirks = {k: v for k, v in changes.items() if not trl_fields(base, {k: v})}
     differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
-                    "read_from_log": k in read} for k, v in changes.items()]
+                    "read_from_log": k in read, "from_tensors": k in from_tensors} for k, v in changes.items()]
     cost = {"runs": search.runs, "steps": search.steps_run, "seconds": round(search.seconds, 1)}
     entry = {"cause": "+".join(sorted(trl) + sorted(quirks)) or "your loop", "fields": sorted(trl),
              "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
+    if found:
+        entry["tensor_diff"] = {**found, "words": tensor_words(found)}
     if state.agree < search.steps:
         where = (f"; even it parts at step {state.agree + 1} on {', '.join(state.outside[:4])}" if state.outside
                  else "")
         closest = _sentence(trl, quirks, None) if changes else "the spec's own settings"
         text = (f"no setting the search knows matches your loop at every step (closest: {closest}{where}); the "
                 "difference is outside what TRL and the built-in loop's switches can be set to")
+        links = [c for c in (found or {}).get("chain", []) if c.get("independent") or c.get("only_yours")]
+        if links:
+            text += "; the tensor diff found, link by link: " + "; ".join(f"{c['tensor']}: {c['how']}" for c in links)
         entry.update(status="suspected", evidence=text, fix={"trl": trl, "scratch": quirks, "sentence": text},
                      runs=search.runs)
         log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
@@ -517,6 +575,50 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
     names = {"param_rel_l2": "the final weights"}
     return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
             f"training agrees ({', '.join(names.get(m, m) for m in trains)} within tolerance at every step)")
+
+
+def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:
+    """The tensor diff, where your loop saved tensors (harness.loop.tensors): the built-in loop, set up as TRL, saves
+    the same steps' tensors on the same rollouts, and the first link of the chain that differs is named."""
+    from harness.diagnose.tensordiff import diff
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+    from harness.runlog.tensors import TENSORS_FILE, read_tensors
+
+    mine = read_tensors(yours_dir / TENSORS_FILE)
+    if not mine or spec.loop.tensor_steps < 1:
+        return None
+    steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
+    ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
+    per_round = spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS
+    lengths = {s: [len(c) for c in records[(s - 1) // per_round]["completion_ids"]] for s in ref
+               if (s - 1) // per_round < len(records)}
+    ckpt = checkpoint_dir(spec)
+    eos = eos_token_ids(generation_config(ckpt), load_tokenizer(ckpt))
+    has_eos = any(t in eos for ids in records[0]["prompt_ids"] for t in ids) if records else False
+    atol, rtol = (1e-5, 1.3e-6) if spec.DTYPE == "float32" else (1e-2, 1.6e-2)
+    found = diff(mine, ref, search.base, lengths, eos, has_eos, atol, rtol)
+    for link in (found or {}).get("chain", []):  # a forward pass that differs on its own: which switch gives yours?
+        if link["tensor"] in ("logps", "ref_logps") and link.get("independent") and link.get("candidates"):
+            for cand in link["candidates"]:
+                again = read_tensors(search.tensors({**start, **cand}, 1) / TENSORS_FILE)
+                check = diff({1: {link["tensor"]: mine[min(mine)][link["tensor"]]}},
+                             {1: {link["tensor"]: again.get(1, {}).get(link["tensor"])}}, search.base,
+                             {1: lengths.get(min(mine), [])}, eos, has_eos, atol, rtol)
+                if check is not None and check.get("first") is None:
+                    names = ", ".join(f"{k} = {v!r}" for k, v in cand.items())
+                    link.update(exact=True, candidates=[cand], how=f"{link['how']}; with {names} the built-in loop's "
+                                "are yours")
+                    break
+    if found and found.get("first"):
+        from harness.diagnose.tensordiff import guesses_of
+
+        first = next(c for c in found["chain"] if c["tensor"] == found["first"]["tensor"])
+        found["first"].update({k: first[k] for k in ("how", "candidates", "exact") if k in first})
+        found["guesses"] = guesses_of(found["chain"], found["first"])
+    said = tensor_words(found)
+    if said:
+        log(f"    {said}")
+    return found
 
 
 def scratch_as_trl(spec):

@@ -481,7 +481,7 @@ def headline(doc: dict) -> dict:
             if c.get("defined_differently"):
                 from harness.diagnose.explain import defined_differently_words
 
-                items.append(_capital(defined_differently_words(c["defined_differently"], c)) + ".")
+                items.append("Only statistics part: " + defined_differently_words(c["defined_differently"], c) + ".")
             return {"sentence": f"The two loops agree {within}.", "items": items}
         sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
         detail = c.get("attribution_detail") or []

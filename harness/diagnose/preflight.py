@@ -74,6 +74,9 @@ QUIRKS = {
     "EOS_ATTENTION": ("attend", "eos tokens in attention", {
         "mask": "masks every eos (the prompt's too) out of attention, positions counting only attended tokens (pad = "
                 "eos); TRL attends to them and has no option not to"}),
+    "EMPTY_SKIP": (False, "micro-batch skipped for an empty completion", {
+        True: "skips a micro-batch holding a completion with no loss token (NaN mean); TRL counts that completion as "
+              "0 and has no option to skip"}),
     "LOGP_ON_RAW_LOGITS": (False, "log-probs on raw logits", {
         True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option not to"}),
     "KL_ESTIMATOR": ("k3", "KL estimator", {

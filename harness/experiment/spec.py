@@ -134,6 +134,10 @@ class LoopSpec:
                           min=1.0)
     metrics: dict = _f({}, "Your metric names, mapped to the harness's: {harness_name = \"your_name\"}, e.g. "
                        "{reward = \"mean_reward\", grad_norm = \"gnorm\"}. Unmapped names are taken as they are.")
+    tensor_steps: int = _f(2, "Optimizer steps whose tensors (rewards, advantages, masks, log-probs, per-token loss) "
+                           "your loop may save with harness.loop.tensors(...) (PARITY_TENSORS) and the built-in loop "
+                           "saves beside them: the tensor diff names the first one that differs (0 = none). Step 1 "
+                           "shows the loss's shape, step 2 what acts through the first update.", min=0, max=64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,6 +216,10 @@ class Spec:
                             "counting only attended tokens: a loop whose pad token is its eos and whose attention mask "
                             "is `ids != pad`, as tiny-grpo's). With `mask` such loops usually also drop the eos from "
                             "the loss: COMPLETION_MASK = \"no_eos\".", choices=("attend", "mask"))
+    EMPTY_SKIP: bool = _f(False, "Skip the backward of a micro-batch that holds a completion with no loss token (its "
+                          "per-sequence mean is 0/0 = NaN in loops that do not guard it, such as tiny-grpo's; with "
+                          "COMPLETION_MASK = \"no_eos\" an eos-only completion has none). TRL counts such a completion "
+                          "as 0 and trains on the rest.")
     LOGP_ON_RAW_LOGITS: bool = _f(False, "Log-probs on the raw logits instead of logits / TEMPERATURE (TRL divides "
                                   "by the temperature; at TEMPERATURE = 1 the two agree).")
     KL_ESTIMATOR: str = _f("k3", "KL estimator when BETA > 0: `k3` (exp(d) - d - 1, TRL's), `k1` (logp - ref) or "

@@ -1,0 +1,287 @@
+"""The tensor diff: a GRPO step's dataflow, compared tensor by tensor, and the first link that differs explained.
+
+A step is a short chain (harness/runlog/tensors.py, CHAIN): rewards -> advantages -> the loss's mask -> log-probs
+(policy, old, reference) -> per-token loss -> the aggregated loss -> the gradient norm. Your loop saves any subset
+with `harness.loop.tensors(step, ...)`; the built-in loop, set up as TRL, saves all of them on the same rollouts.
+`diff` walks the chain in order, step by step, and names the first tensor that differs: where (how many groups,
+sequences and tokens; the first (group, sequence, token)) and how, from a catalog of patterns each recomputed from
+the other side's own inputs rather than guessed:
+
+- rewards: your scores differ (your reward code or weights; TRL has no setting, use the spec's reward functions);
+- advantages: recomputed from the same rewards with each advantage option (scale by group / batch / none, Bessel's
+  or the population std, the std epsilon, epsilon inside the square root); the one that reproduces yours names the
+  field; else the shape (a constant factor per group, an offset);
+- mask: one token fewer at the end of each completion that ends with an eos (the eos out of the loss), the padding
+  counted, truncated completions dropped;
+- log-probs: every token of every row differs (the forward pass: attention mask or positions around the prompt's
+  eos, a temperature applied or not, the dtype), or only some rows;
+- per-token loss with equal inputs: the KL term or the clip bounds;
+- the loss with equal per-token losses and mask: recomputed under each loss_type's normalisation;
+- grad_norm with an equal loss: a term equal in value but not in gradient (the KL multiplied by the policy ratio,
+  use_bias_correction_kl, which is 1 in value at the first pass), or the gradient's clipping.
+Each pattern maps to spec changes (`candidates`: TRL's settings or the built-in loop's quirks) that the explanation
+search tries first, and to words; a pattern TRL has no setting for is said so.
+"""
+
+from __future__ import annotations
+
+import math
+
+from harness.runlog.tensors import CHAIN, PER_TOKEN
+
+# what each link is computed from (a link that differs while all of these agree differs on its own)
+DEPENDS = {"rewards": (), "advantages": ("rewards",), "mask": (), "logps": (), "old_logps": (), "ref_logps": (),
+           "per_token_loss": ("advantages", "logps", "old_logps", "ref_logps"), "loss": ("per_token_loss", "mask"),
+           "grad_norm": ("per_token_loss", "mask", "logps", "loss")}
+# a tensor only your loop has, and what it says
+ONLY_YOURS = {"ref_logps": ("your loop scores a reference model: a KL term (beta > 0; the built-in loop as TRL has none)",
+                            [{"BETA": v} for v in (0.01, 0.001, 0.04, 0.1)]),
+              "old_logps": ("your loop takes the old log-probs from a pass of their own (TRL, one pass per round: the "
+                            "current ones, detached)", [{"LOGP_OLD": "forward"}])}
+_WHAT = {"rewards": "the rewards", "advantages": "the advantages", "mask": "the loss's token mask",
+         "logps": "the policy's per-token log-probs", "old_logps": "the old policy's log-probs",
+         "ref_logps": "the reference model's log-probs", "per_token_loss": "the per-token loss",
+         "loss": "the aggregated loss", "grad_norm": "the gradient norm"}
+
+
+def _rows(value, lengths: list[int] | None) -> list[list[float]] | list[float] | float | None:
+    """A per-token tensor cut to each completion's length; others as they are."""
+    if value is None:
+        return None
+    if lengths is not None and isinstance(value, list) and value and isinstance(value[0], list):
+        return [row[:n] for row, n in zip(value, lengths)]
+    return value
+
+
+def _flat(value) -> list[float]:
+    if isinstance(value, list):
+        return [float(x) for v in value for x in (_flat(v) if isinstance(v, list) else [v])]
+    return [float(value)]
+
+
+def _close(a: float, b: float, atol: float, rtol: float) -> bool:
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return abs(a - b) <= atol + rtol * abs(b)
+
+
+def _where(a, b, group: int, atol: float, rtol: float) -> dict | None:
+    """None when equal within tolerance; else how many rows/tokens differ and the first (group, sequence, token)."""
+    if isinstance(a, list) and a and isinstance(a[0], list):
+        bad_rows, tokens, first = [], 0, None
+        for i, (ra, rb) in enumerate(zip(a, b)):
+            if len(ra) != len(rb):
+                bad_rows.append(i)
+                first = first or (i, min(len(ra), len(rb)))
+                continue
+            hits = [t for t, (x, y) in enumerate(zip(ra, rb)) if not _close(float(x), float(y), atol, rtol)]
+            if hits:
+                bad_rows.append(i)
+                tokens += len(hits)
+                first = first or (i, hits[0])
+        if len(a) != len(b):
+            bad_rows.append(min(len(a), len(b)))
+        if not bad_rows:
+            return None
+        i, t = first or (bad_rows[0], 0)
+        return {"rows": len(set(bad_rows)), "of_rows": len(b), "tokens": tokens,
+                "groups": len({r // group for r in bad_rows}), "first": {"group": i // group, "sequence": i % group,
+                                                                         "token": t}}
+    fa, fb = _flat(a), _flat(b)
+    if len(fa) != len(fb):
+        return {"rows": max(len(fa), len(fb)), "of_rows": len(fb), "groups": None, "first": None,
+                "shape": [len(fa), len(fb)]}
+    bad = [i for i, (x, y) in enumerate(zip(fa, fb)) if not _close(x, y, atol, rtol)]
+    if not bad:
+        return None
+    return {"rows": len(bad), "of_rows": len(fb), "groups": len({i // group for i in bad}) if len(fb) > 1 else None,
+            "first": {"group": bad[0] // group, "sequence": bad[0] % group} if len(fb) > 1 else None}
+
+
+def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, list[int]], eos_ids: list[int],
+         prompts_have_eos: bool, atol: float = 1e-5, rtol: float = 1.3e-6) -> dict | None:
+    """The first differing link of the chain. `yours`, `ref`: {step: {tensor: value}} (read_tensors);
+    `lengths`: {step: each completion's length}; returns None when your loop saved no tensor both sides have."""
+    steps = sorted(set(yours) & set(ref))
+    chain_at: list[dict] = []
+    for step in steps:
+        a, b, n = yours[step], ref[step], lengths.get(step)
+        chain_at = []
+        first = None
+        status: dict[str, str] = {}
+        for name in CHAIN:
+            if name not in a or name not in b:
+                status[name] = "not saved" if name not in a else "not on this side"
+                link = {"tensor": name, "status": status[name]}
+                if name in a and name in ONLY_YOURS and step == steps[0]:
+                    link["how"], link["candidates"] = ONLY_YOURS[name]
+                    link["only_yours"] = True
+                chain_at.append(link)
+                continue
+            ta, tb = _rows(a[name], n if name in PER_TOKEN else None), _rows(b[name], n if name in PER_TOKEN else None)
+            where = _where(ta, tb, spec.GROUP_SIZE, atol, rtol)
+            if where is None:
+                status[name] = "same"
+                chain_at.append({"tensor": name, "status": "same"})
+                continue
+            status[name] = "differs"
+            how = _explain(name, a, b, spec, n, eos_ids, prompts_have_eos, atol, rtol)
+            upstream = [d for d in DEPENDS[name] if status.get(d) == "differs"]
+            if upstream and not how.get("exact"):  # what it is computed from differs: most likely a consequence
+                how = {"how": f"follows from {', '.join(upstream)} before it in the chain", "candidates": []}
+            else:
+                how["independent"] = True  # its own inputs agree (or were not saved): a difference of its own
+            chain_at.append({"tensor": name, "status": "differs", "where": where, **how})
+            if first is None:
+                first = {"step": step, "tensor": name, "where": where, **how}
+        if first is not None:
+            # every link whose difference was recomputed exactly (not a consequence guessed at) acts on its own:
+            # their changes together are the first guess, then the first link's own candidates
+            return {"first": first, "chain": chain_at, "steps": steps, "guesses": guesses_of(chain_at, first)}
+    if not steps or not chain_at or all(c["status"] != "same" for c in chain_at):
+        return None
+    return {"first": None, "chain": chain_at, "steps": steps}
+
+
+def guesses_of(chain: list[dict], first: dict) -> list[dict]:
+    """What to try first: the changes of every link whose difference was recomputed exactly (each acts on its own:
+    together they are one guess), then each independent link's own candidates."""
+    exact = {}
+    for link in chain:
+        if link.get("exact") and link.get("candidates"):
+            exact.update(link["candidates"][0])
+    out = [exact] if exact else []
+    for link in [first] + [c for c in chain if c.get("independent") or c.get("only_yours")]:
+        out += [c for c in link.get("candidates", []) if c not in out and {**exact, **c} not in out]
+    return out
+
+
+def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol) -> dict:
+    """How the first differing tensor differs, and what would make the built-in loop do the same."""
+    if name == "rewards":
+        return {"how": "your loop scores the same completions otherwise (its own reward code, or other weights)",
+                "candidates": [], "trl_setting": "none: use the spec's reward functions in your loop, or name yours in "
+                                                 "[rewards] functions"}
+    if name == "advantages":
+        return _advantages(a, b, spec, atol, rtol)
+    if name == "mask":
+        return _mask(a["mask"], b["mask"], lengths)
+    if name in ("logps", "old_logps", "ref_logps"):
+        cands = []
+        if prompts_have_eos:
+            cands.append({"EOS_ATTENTION": "mask"})
+        if spec.TEMPERATURE != 1.0:
+            cands.append({"LOGP_ON_RAW_LOGITS": not spec.LOGP_ON_RAW_LOGITS})
+        if name == "old_logps":
+            return {"how": "the old policy's log-probs differ: taken from another pass (TRL, one pass per round: the "
+                           "current log-probs, detached)", "candidates": [{"LOGP_OLD": "forward"}] + cands}
+        return {"how": "the forward pass scores the same tokens otherwise (the attention mask or positions around "
+                       "the prompt's eos, a temperature applied or not, another dtype)", "candidates": cands}
+    if name == "per_token_loss":
+        cands = [{"BETA": v} for v in (0.001, 0.01, 0.04, 0.1)] if spec.BETA == 0 else \
+            [{"KL_ESTIMATOR": e} for e in ("k1", "k2")]
+        return {"how": "the per-token loss differs with the same advantages, mask and log-probs: a KL term, or the "
+                       "clip bounds", "candidates": cands}
+    if name == "loss":
+        return _loss(a, spec, atol, rtol)
+    if name == "grad_norm":
+        cands = [{"KL_IS_CORRECTION": not spec.KL_IS_CORRECTION}] if spec.BETA > 0 else []
+        return {"how": "the gradient differs with an equal loss: a term equal in value but not in gradient (a KL "
+                       "term multiplied by the policy ratio, which is 1 in value: use_bias_correction_kl), or the "
+                       "gradient's clipping", "candidates": cands + [{"MAX_GRAD_NORM": g} for g in (0.0, 0.5, 1.0)
+                                                                      if g != spec.MAX_GRAD_NORM]}
+    return {"how": "differs", "candidates": []}
+
+
+def _advantages(a, b, spec, atol, rtol) -> dict:
+    """Recompute the advantages from the built-in loop's own rewards with each option: the one that gives yours."""
+    import torch
+
+    from scratch_grpo.core import group_advantages
+
+    rewards = torch.tensor(b.get("rewards") or [], dtype=torch.float32)
+    mine = _flat(a["advantages"])
+    found = []
+    if len(rewards) == len(mine) and len(mine) % spec.GROUP_SIZE == 0:
+        options = [("group", "bessel", spec.STD_EPS, False)]
+        options += [(sc, sd, eps, inside) for sc in ("group", "batch", "none") for sd in ("bessel", "population")
+                    for eps in (1e-4, 1e-8, 1e-6, 1e-5, 1e-3, 0.0) for inside in (False, True)]
+        for scale, std, eps, inside in options:
+            adv, _ = group_advantages(rewards, spec.GROUP_SIZE, scale, std, eps, inside)
+            if all(_close(x, y, atol, max(rtol, 1e-5)) for x, y in zip(mine, adv.tolist())):
+                change = {k: v for k, v in (("ADV_SCALE", scale), ("STD", std), ("STD_EPS", eps),
+                                            ("STD_EPS_INSIDE", inside)) if v != getattr(spec, k)}
+                if change and change not in found:
+                    found.append(change)
+        found.sort(key=len)
+    ratio = [x / y for x, y in zip(mine, _flat(b["advantages"])) if abs(y) > 1e-6]
+    shape = ""
+    if ratio:
+        groups = {}
+        for i, (x, y) in enumerate(zip(mine, _flat(b["advantages"]))):
+            if abs(y) > 1e-6:
+                groups.setdefault(i // spec.GROUP_SIZE, []).append(x / y)
+        if all(max(v) - min(v) <= 1e-4 * max(1.0, abs(max(v))) for v in groups.values()):
+            shape = "a constant factor per group (the std or its epsilon)"
+    if found:
+        words = ", ".join(f"{k} = {v!r}" for k, v in found[0].items())
+        return {"how": (shape + "; " if shape else "") + f"recomputed from the same rewards with {words} they are "
+                       "yours", "candidates": found[:3], "exact": True}
+    return {"how": shape or "not one of the advantage options the built-in loop has", "candidates": []}
+
+
+def _mask(mine, theirs, lengths) -> dict:
+    rows_mine = [sum(int(x) for x in r[:n]) for r, n in zip(mine, lengths or [len(r) for r in theirs])]
+    rows_theirs = [sum(int(x) for x in r[:n]) for r, n in zip(theirs, lengths or [len(r) for r in theirs])]
+    fewer = [t - m for m, t in zip(rows_mine, rows_theirs)]
+    if fewer and all(f in (0, 1) for f in fewer) and any(fewer):
+        last_off = all(f == 0 or int(r[n - 1]) == 0 for r, n, f in zip(mine, lengths or [], fewer))
+        if last_off:
+            return {"how": "one token fewer at the end of each completion that ends with an eos: your loop leaves the "
+                           "eos out of the loss (TRL counts it; no TRL setting)",
+                    "candidates": [{"COMPLETION_MASK": "no_eos"}], "exact": True}
+    if all(m == 0 or m == t for m, t in zip(rows_mine, rows_theirs)) and any(m == 0 < t for m, t in
+                                                                             zip(rows_mine, rows_theirs)):
+        return {"how": "some completions are out of the loss entirely (truncated ones?)",
+                "candidates": [{"MASK_TRUNCATED": True}]}
+    return {"how": "your loop counts other tokens in the loss", "candidates": [{"COMPLETION_MASK": "all"}]}
+
+
+def _loss(a, spec, atol, rtol) -> dict:
+    """Recompute your step's loss from your own per-token loss and mask under each normalisation."""
+    if "per_token_loss" not in a or "mask" not in a or "loss" not in a:
+        return {"how": "the loss differs (save per_token_loss and mask to have its normalisation named)",
+                "candidates": [{"LOSS_NORM": n} for n in ("sequence", "token_global", "constant") if n != spec.LOSS_NORM]}
+    rows = [[(float(x), float(m)) for x, m in zip(r, mr)] for r, mr in zip(a["per_token_loss"], a["mask"])]
+    sums = [sum(x * m for x, m in r if not math.isnan(x)) for r in rows]
+    counts = [sum(m for _, m in r) for r in rows]
+    n = len(rows)
+    values = {"sequence": sum(s / max(c, 1.0) for s, c in zip(sums, counts)) / max(n, 1),
+              "token_global": sum(sums) / max(sum(counts), 1.0),
+              "constant": sum(sums) / max(n * spec.MAX_TOKENS, 1)}
+    if spec.GRAD_ACCUM == 1:
+        values["token_local"] = values["token_global"]
+    target = float(a["loss"])
+    hits = [k for k, v in values.items() if _close(target, v, max(atol, 1e-7), 1e-4) and k != spec.LOSS_NORM]
+    if hits:
+        return {"how": f"your per-token losses, aggregated as LOSS_NORM = {hits[0]!r}, give your loss",
+                "candidates": [{"LOSS_NORM": h} for h in hits], "exact": True}
+    return {"how": "the loss's normalisation is none the built-in loop has", "candidates": []}
+
+
+def words(found: dict | None) -> str | None:
+    """One sentence: the first differing tensor, where and how."""
+    if not found or not found.get("first"):
+        return None
+    f = found["first"]
+    w = f.get("where") or {}
+    at = w.get("first") or {}
+    where = ""
+    if w.get("of_rows"):
+        where = f" in {w['rows']} of {w['of_rows']} " + ("rows" if f["tensor"] in PER_TOKEN else "values")
+        if w.get("groups") is not None:
+            where += f" ({w['groups']} groups)"
+        if at:
+            where += f", first at group {at.get('group')}, sequence {at.get('sequence')}" + (
+                f", token {at['token']}" if "token" in at else "")
+    return f"the first tensor that differs is {_WHAT[f['tensor']]} at step {f['step']}{where}: {f.get('how')}"

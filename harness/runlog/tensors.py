@@ -1,0 +1,61 @@
+"""The tensors of a GRPO step along its dataflow, as every side saves them for the tensor diff (`tensors.jsonl`).
+
+One JSON line per optimizer step: `{"step": s, "rewards": [...], "advantages": [...], "mask": [[...]], ...}`, rows
+in the order of the round's rollout (GROUP_SIZE completions of a prompt in a row), per-token tensors as rows of
+any width (read up to each completion's length). `CHAIN` is the dataflow in order; a side saves any subset.
+Standard library only: your loop's helper (`harness.loop.tensors`) writes through it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+TENSORS_FILE = "tensors.jsonl"
+# rewards -> advantages -> the loss's mask -> log-probs (policy, old, reference) -> per-token loss -> loss -> gradient
+CHAIN = ("rewards", "advantages", "mask", "logps", "old_logps", "ref_logps", "per_token_loss", "loss", "grad_norm")
+PER_TOKEN = ("mask", "logps", "old_logps", "ref_logps", "per_token_loss")
+
+
+def _plain(value):
+    """A tensor, array, number or nested list as JSON-ready lists of floats (NaN and inf kept)."""
+    if hasattr(value, "detach"):
+        value = value.detach()
+    if hasattr(value, "float") and hasattr(value, "cpu"):
+        value = value.float().cpu()
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return value
+
+
+def write_row(path: str | Path, step: int, named: dict) -> None:
+    """Append one step's tensors (names from CHAIN) to `path`."""
+    row = {"step": int(step)}
+    for name, value in named.items():
+        if name not in CHAIN:
+            raise ValueError(f"unknown tensor {name!r}; one of {', '.join(CHAIN)}")
+        if value is not None:
+            row[name] = _plain(value)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row, allow_nan=True) + "\n")
+
+
+def read_tensors(path: str | Path) -> dict[int, dict]:
+    """{step: {name: value}} from a tensors.jsonl (an unreadable line is skipped: a run cut mid-write)."""
+    out: dict[int, dict] = {}
+    path = Path(path)
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            out.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    return out
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
