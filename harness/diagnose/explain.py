@@ -4,14 +4,17 @@ where it has none.
 The harness cannot flip switches inside a user's loop, so the search turns around: replaying the same lockstep
 rollouts, it runs the built-in loop (scratch_grpo, which matches TRL setting for setting) with candidate spec fields
 until its log matches your loop's, step by step. Its vocabulary is the spec: the fields TRL has a setting for
-(loss_type, scale_rewards, beta, use_bias_correction_kl, the optimizer and the schedule, ...) first, then the
-quirks of hand-written loops that TRL cannot express (a std epsilon other than 1e-4, the population std, the eos
-token out of the loss, another KL estimator, ...). The fields TRL can express become a runnable `[trl]` table;
-the quirks are named in words with the scratch field that reproduces them.
+(loss_type, scale_rewards, beta, use_bias_correction_kl, the optimizer and the schedule, ...) and the quirks of
+hand-written loops that TRL cannot express (a std epsilon other than 1e-4, the population std, the eos token out of
+the loss, pad = eos in attention, a NaN micro-batch skipped, another KL estimator, ...); at equal scores TRL's
+settings win. The fields TRL can express become a runnable `[trl]` table; the quirks are named in words with the
+scratch field that reproduces them.
 
 How it searches (several differences at once):
 - Settings a metric states are read, not searched: your loop's logged `learning_rate` gives the peak rate and the
   schedule (`settings_from_log`).
+- Where your loop saved tensors (harness.loop.tensors), the tensor diff (tensordiff.py) names the first link of the
+  step's dataflow that differs; what it recomputed exactly is the first guess, kept as found.
 - Fields act from different steps: the advantages and the loss's shape change step 1's loss and gradient; the
   learning rate, weight decay, gradient clipping, Adam's epsilon and a k3 KL penalty act through the first update
   (step 2); Adam's betas and a decaying schedule through the second (step 3; the first Adam update is the same
@@ -19,8 +22,9 @@ How it searches (several differences at once):
 - A candidate is judged first by how many steps it keeps the two in agreement, then by how many metrics are
   outside at the first step where it parts, then by how far; it runs only until it parts from your loop (at
   most `LOOKAHEAD` steps past the step it must fix). A field is kept whenever it extends the agreement (or, at
-  equal agreement, leaves fewer metrics outside), and the search goes on until parity or until nothing helps
-  (`MAX_FIELDS` fields at most). The kept set is then run over every step and compared as the cell was (final
+  equal agreement, leaves fewer metrics outside); when no single change does, the `PAIR_POOL` closest are tried
+  in pairs (two differences acting at one step). The search goes on until parity or until nothing helps
+  (`MAX_FIELDS` fields at most), then drops what parity holds without (not what the tensors showed). The kept set is then run over every step and compared as the cell was (final
   weights included); with no quirk in it, TRL itself is run once with the written table to confirm it.
 
 Agreement is judged on the metrics training computes (loss, grad_norm, learning_rate and any other both log), not
