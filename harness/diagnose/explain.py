@@ -555,7 +555,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
     entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
                  runs=search.runs, written=str(path), defined_differently=derived,
-                 confirmed_by={"scratch": True, "trl": confirmed_by_trl})
+                 confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
     entry["cost"] = {**cost, "runs": search.runs, "seconds": round(time.perf_counter() - t0, 1)}
     log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
     return [entry]
