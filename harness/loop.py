@@ -117,6 +117,8 @@ def tensors(step: int, **named) -> None:
     is called on what has it)."""
     from harness.runlog.tensors import write_row
 
+    if int(step) < 1:
+        raise ValueError(f"harness.loop.tensors: step {step}: steps count optimizer steps from 1, as log_step's do")
     path = os.environ.get("PARITY_TENSORS")
     if not path or int(step) > int(spec().get("loop", {}).get("tensor_steps", 2)):
         return

@@ -155,10 +155,10 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
             raise LoopError(f"your loop logged {len(rows)} steps ({step_ranges(logged)}"
                             + (f"; none for step {step_ranges(gaps)}" if gaps else "") + f") and exited after step "
                             f"{logged[-1]}; the spec asks for STEPS = {spec.STEPS}"
-                            + (": a loop that skips a step (a NaN loss, say) and counts only the steps it took ends "
-                               "short; log every optimizer step, or count the skipped ones too" if gaps or
-                               len(rows) < logged[-1] else ": read STEPS from PARITY_SPEC (harness.loop.spec()), or "
-                               "see why it stopped in its stderr.log"))
+                            + (": it skipped the steps it logged none for and stopped there; log every optimizer "
+                               "step, or see its stderr.log" if gaps else ": read STEPS from PARITY_SPEC "
+                               "(harness.loop.spec()); a loop that skips a step (a NaN loss, say) and counts only the "
+                               "steps it took also ends short: count the skipped ones too; or see its stderr.log"))
         wall = (time.perf_counter() - t0) / len(rows)
         for row in rows:
             writer.log_step({**row, "wall_s": row.get("wall_s", wall)})

@@ -24,8 +24,9 @@ How it searches (several differences at once):
   most `LOOKAHEAD` steps past the step it must fix). A field is kept whenever it extends the agreement (or, at
   equal agreement, leaves fewer metrics outside); when no single change does, the `PAIR_POOL` closest are tried
   in pairs (two differences acting at one step). The search goes on until parity or until nothing helps
-  (`MAX_FIELDS` fields at most), then drops what parity holds without (not what the tensors showed). The kept set is then run over every step and compared as the cell was (final
-  weights included); with no quirk in it, TRL itself is run once with the written table to confirm it.
+  (`MAX_FIELDS` fields at most), then drops what parity holds without (not what the tensors showed). The kept set
+  is then run over every step and compared as the cell was (final weights included); with no quirk in it, TRL
+  itself is run once with the written table to confirm it.
 
 Agreement is judged on the metrics training computes (loss, grad_norm, learning_rate and any other both log), not
 on statistics of the completions or the policy (`DERIVED`: kl, entropy, clip ratios, rewards, lengths), which
@@ -36,6 +37,7 @@ those are reported as defined differently, not searched for.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -293,6 +295,7 @@ class Trial:
     error: str | None = None
     trl: bool = True  # every change has a TRL setting
     near: float = 0.0  # how near within tolerance over the steps it agreed (a tie-break among look-alikes)
+    per_step: tuple = ()  # (outside, far, near) of each step it ran: the same trial judged over fewer steps
 
     def score(self):
         """Agreement first; then fewer metrics outside where it parts; then nearer over the steps it ran (outside,
@@ -333,7 +336,8 @@ class Search:
 
         t0 = time.perf_counter()
         name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_")
-        folder = self.root / ("tensors" + (f"-{name}" if name else ""))[:120]
+        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+        folder = self.root / f"tensors-{name[:90]}-{digest}"
         spec = apply_alignment(self.base, {"set": changes})
         train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, tensor_steps=steps,
               stop_when=lambda row: int(row["step"]) >= steps)
@@ -343,44 +347,45 @@ class Search:
 
     def trial(self, changes: dict, horizon: int, stop_at_parting: bool = False) -> Trial:
         """The built-in loop with `changes`, run to `horizon` (or, `stop_at_parting`, until it parts from your loop):
-        how long it agrees, what is outside where it parts, and how far outside over the steps it ran."""
+        how long it agrees, what is outside where it parts, and how far outside over the steps it ran. A trial run
+        before is reused, judged over the same steps (never more than it ran, never fewer than asked)."""
         from harness.rollouts.lockstep import ReplaySource
         from scratch_grpo.train import train
 
         key = tuple(sorted((k, json.dumps(v)) for k, v in changes.items()))
         known = self.cache.get(key)
-        if known is not None and (known.ran >= horizon or known.error or (stop_at_parting and known.agree < known.ran)):
-            return known
+        if known is not None:
+            if known.error:
+                return known
+            parted_at = next((i + 1 for i, (out, _f, _n) in enumerate(known.per_step) if out), None)
+            if known.ran >= horizon or known.ran >= self.steps:
+                return _judged(known, min(horizon, known.ran), stop_at_parting)
+            if stop_at_parting and parted_at is not None:
+                return _judged(known, parted_at, True)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:8]  # short names, one folder per set of changes
         name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_") or "base"
-        folder = self.root / name[:120]
-        seen = {"agree": 0, "outside": None, "far": 0.0, "near": 0.0}
+        folder = self.root / f"{name[:100]}-{digest}"
+        judged: list = []
 
         def stop_when(row):
             outside, far, near = self.judge.step(row)
-            seen["far"] += far
-            if seen["outside"] is None:
-                seen["near"] += near
-            if outside and seen["outside"] is None:
-                seen["outside"] = outside
-            if seen["outside"] is None:
-                seen["agree"] = int(row["step"])
+            judged.append((outside, far, near))
             return int(row["step"]) >= horizon or (stop_at_parting and bool(outside))
 
         t0 = time.perf_counter()
         error = None
         try:
             spec = apply_alignment(self.base, {"set": changes})
-            run = train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, stop_when=stop_when)
-            from harness.runlog.log import read_metrics
-
-            ran = len(read_metrics(Path(run) / "metrics.jsonl")[0])
+            train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, stop_when=stop_when)
         except Exception as e:  # noqa: BLE001 - a candidate the loop refuses is no explanation
-            error, ran = f"{type(e).__name__}: {str(e)[:100]}", 0
+            error = f"{type(e).__name__}: {str(e)[:100]}"
         self.seconds += time.perf_counter() - t0
         self.runs += 1
-        self.steps_run += ran
-        out = Trial(changes, seen["agree"] if not error else -1, seen["outside"] or [], seen["far"], ran, str(folder),
-                    error, not any(not trl_fields(self.base, {k: v}) for k, v in changes.items()), seen["near"])
+        self.steps_run += len(judged)
+        trl = not any(not trl_fields(self.base, {k: v}) for k, v in changes.items())
+        out = Trial(changes, -1, [], 0.0, len(judged), str(folder), error, trl, 0.0, tuple(judged))
+        if error is None:
+            out = _judged(out, len(judged), stop_at_parting)
         self.cache[key] = out
         return out
 
@@ -399,11 +404,12 @@ class Search:
         tried = [t for t in tried if t.error is None and t.better_than(state)]
         if tried or exact:
             best = max(tried, key=Trial.score) if tried else exact[0]
-            if exact and not exact[0].better_than(best) and len(exact[0].changes) > len(best.changes):
-                best = exact[0]  # every exact finding, unless a guess does better on the steps
+            if exact and not best.better_than(exact[0]):
+                best = exact[0]  # every exact finding, unless another guess does better on the steps
             added = {k: v for k, v in best.changes.items() if k not in start}
             trace.append({"at_step": state.agree + 1, "changes": added, "agree_before": state.agree,
-                          "agree_after": best.agree, "from_tensors": True})
+                          "agree_after": best.agree, "from_tensors": bool(exact) and best is exact[0],
+                          "guessed_from_tensors": True})
             self.log(f"    explain: the tensor diff's {_with(added, 'guess,')}: " + _said(best, self.steps))
             state = best
         while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
@@ -449,11 +455,19 @@ class Search:
         return state
 
 
-def _capped(t: Trial, horizon: int) -> Trial:
-    """A trial as it stands within `horizon` steps (one that ran further agreed through the horizon at least)."""
-    if t.agree >= horizon:
-        return dataclasses.replace(t, agree=horizon, outside=[], far=0.0)
-    return t
+def _judged(t: Trial, steps: int, stop_at_parting: bool) -> Trial:
+    """A trial judged over its first `steps` steps (to where it parts, with `stop_at_parting`): agreement, the
+    metrics outside where it parts, how far outside over those steps, how near within them before it parts."""
+    agree, outside, far, near = 0, [], 0.0, 0.0
+    for i, (out, f, n) in enumerate(t.per_step[:steps]):
+        far += f
+        if out and not outside:
+            outside = list(out)
+            if stop_at_parting:
+                break
+        if not outside:
+            agree, near = i + 1, near + n
+    return dataclasses.replace(t, agree=agree, outside=outside, far=far, near=near)
 
 
 def _with(changes: dict, lead: str = " with") -> str:
@@ -506,7 +520,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     guesses = (found or {}).get("guesses", [])
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
     state, trace = search.run(read, guesses, exact_first)
-    from_tensors = {k for t in trace if t.get("from_tensors") for k in t["changes"]}
+    from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
     changes = state.changes
     trl = trl_fields(base, changes) if changes else {}
     quirks = {k: v for k, v in changes.items() if not trl_fields(base, {k: v})}
@@ -536,7 +550,6 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     derived = final.get("defined_differently", [])
     weights_off = "param_rel_l2" in final.get("outside", [])
     path = cell_dir.parent / EXPLAIN_FILE
-    _write_table(path, trl, quirks, cell_dir.name, search.runs)
     confirmed_by_trl = None
     if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
         confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope)
@@ -553,6 +566,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         sentence += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
     if confirmed_by_trl is False:
         sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
+    _write_table(path, trl, quirks, cell_dir.name, search.runs, status)
     entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
                  runs=search.runs, written=str(path), defined_differently=derived,
                  confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
@@ -590,6 +604,10 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
 
     mine = read_tensors(yours_dir / TENSORS_FILE)
     if not mine or spec.loop.tensor_steps < 1:
+        return None
+    if spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS > 1:  # a step trains on part of a round: rows would not align
+        log("    (the tensor diff compares one optimizer step per round: with STEPS_PER_GENERATION or NUM_ITERATIONS "
+            "above 1 it is skipped, and the search alone explains)")
         return None
     steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
     ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
@@ -661,9 +679,12 @@ def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
     return ", ".join(parts) if parts else "your loop is TRL as the spec sets it up"
 
 
-def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int) -> None:
-    lines = ["# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation does what",
-             f"# your loop does on the same rollouts (cell {cell}, {runs} runs of the search).",
+def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, status: str) -> None:
+    what = ("does what your loop does" if not quirks else "does what your loop does but for the quirks below, which "
+            "TRL cannot set") if status == "confirmed" else ("comes closest to your loop (suspected, not confirmed: "
+                                                             "see the verdict)")
+    lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation {what}",
+             f"# on the same rollouts (cell {cell}, {runs} runs of the search).",
              "[trl]"] + [f"{k} = {_toml(v)}" for k, v in trl.items()]
     if quirks:
         lines += ["", "# What TRL has no setting for; the built-in loop reproduces it with these spec fields:"]

@@ -491,7 +491,8 @@ def headline(doc: dict) -> dict:
             lead = detail[0]
             cost = lead.get("cost") or {}
             sentence += (" Re-running the built-in loop, set up as TRL, on the same rollouts with candidate settings "
-                         + ("found every difference" if lead["status"] == "confirmed" else "found no full match")
+                         + ("found settings that reproduce your loop within tolerance" if lead["status"] ==
+                            "confirmed" else "found no full match")
                          + f" ({cost.get('runs', 0)} runs, {cost.get('steps', 0)} steps, {cost.get('seconds', 0):g} s):")
             items += [_capital(why) + "." for why in _fix_sentences(c)]
             for d in lead["differences"]:

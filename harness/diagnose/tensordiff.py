@@ -106,6 +106,8 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
     chain_at: list[dict] = []
     for step in steps:
         a, b, n = yours[step], ref[step], lengths.get(step)
+        if chain_at and all(c["status"] != "differs" for c in chain_at):  # the step before agreed everywhere
+            b = {**b, "_after_clean_step": True}
         chain_at = []
         first = None
         status: dict[str, str] = {}
@@ -118,7 +120,11 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
                     link["only_yours"] = True
                 chain_at.append(link)
                 continue
-            ta, tb = _rows(a[name], n if name in PER_TOKEN else None), _rows(b[name], n if name in PER_TOKEN else None)
+            if name in PER_TOKEN:
+                ta, tb = _rows(a[name], n), _rows(b[name], n)
+            else:  # one value per completion, or one number: (N, 1) and (N,) alike
+                ta, tb = _flat(a[name]), _flat(b[name])
+                ta, tb = (ta[0], tb[0]) if len(ta) == len(tb) == 1 else (ta, tb)
             where = _where(ta, tb, spec.GROUP_SIZE, atol, rtol)
             if where is None:
                 status[name] = "same"
@@ -166,6 +172,10 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol) -
         return _advantages(a, b, spec, atol, rtol)
     if name == "mask":
         return _mask(a["mask"], b["mask"], lengths)
+    if name in ("logps", "old_logps", "ref_logps") and b.get("_after_clean_step"):
+        return {"how": "the log-probs part after a step whose tensors all agreed: the first update differs (the "
+                       "learning rate, weight decay, Adam's epsilon, clipping, a KL term's gradient)",
+                "candidates": [{"WEIGHT_DECAY": 0.01}, {"ADAM_EPS": 1e-6}, {"MAX_GRAD_NORM": 0.0}]}
     if name in ("logps", "old_logps", "ref_logps"):
         cands = []
         if prompts_have_eos:
@@ -225,8 +235,10 @@ def _advantages(a, b, spec, atol, rtol) -> dict:
             shape = "a constant factor per group (the std or its epsilon)"
     if found:
         words = ", ".join(f"{k} = {v!r}" for k, v in found[0].items())
+        alike = [", ".join(f"{k} = {v!r}" for k, v in f.items()) for f in found[1:3]]
         return {"how": (shape + "; " if shape else "") + f"recomputed from the same rewards with {words} they are "
-                       "yours", "candidates": found[:3], "exact": True}
+                       "yours" + (f" ({'; '.join(alike)} give the same to the tolerance)" if alike else ""),
+                "candidates": found[:3], "exact": True}
     return {"how": shape or "not one of the advantage options the built-in loop has", "candidates": []}
 
 
@@ -262,7 +274,12 @@ def _loss(a, spec, atol, rtol) -> dict:
     if spec.GRAD_ACCUM == 1:
         values["token_local"] = values["token_global"]
     target = float(a["loss"])
-    hits = [k for k, v in values.items() if _close(target, v, max(atol, 1e-7), 1e-4) and k != spec.LOSS_NORM]
+    same = lambda v: _close(target, v, max(atol, 1e-7), 1e-4)  # noqa: E731
+    if spec.LOSS_NORM in values and same(values[spec.LOSS_NORM]):  # yours aggregates as the spec does: not this link
+        return {"how": "your per-token losses aggregate as the spec's own loss_type does: the difference is upstream",
+                "candidates": []}
+    hits = [k for k, v in values.items() if same(v) and k != spec.LOSS_NORM
+            and not (spec.LOSS_NORM in values and math.isclose(v, values[spec.LOSS_NORM]))]
     if hits:
         return {"how": f"your per-token losses, aggregated as LOSS_NORM = {hits[0]!r}, give your loss",
                 "candidates": [{"LOSS_NORM": h} for h in hits], "exact": True}
