@@ -162,8 +162,11 @@ def test_tensor_patterns_name_the_mask_and_the_loss_normalisation():
     lengths = {1: [3, 2]}
     ref = {1: {"rewards": [1.0, 0.0], "mask": [[1, 1, 1], [1, 1, 0]], "logps": [[-1.0, -2.0, -0.5], [-1.5, -0.25, 0.0]]}}
     mine = {1: {"rewards": [1.0, 0.0], "mask": [[1, 1, 0], [1, 0, 0]], "logps": ref[1]["logps"]}}
-    found = diff(mine, ref, spec, lengths, [2], False)
+    found = diff(mine, ref, spec, lengths, [2], False, ends_with_eos={1: [True, True]})
     assert found["first"]["tensor"] == "mask" and found["guesses"][0] == {"COMPLETION_MASK": "no_eos"}
+    # the same mask, but those completions do not end with an eos: an off-by-one, not the eos left out
+    off_by_one = diff(mine, ref, spec, lengths, [2], False, ends_with_eos={1: [False, False]})
+    assert off_by_one["first"]["tensor"] == "mask" and {"COMPLETION_MASK": "no_eos"} not in off_by_one["guesses"]
     assert found["first"]["where"]["rows"] == 2 and found["first"]["where"]["first"] == {"group": 0, "sequence": 0,
                                                                                           "token": 2}
     per_token = [[0.5, -0.5, 1.0], [2.0, 1.0, 0.0]]

@@ -616,9 +616,10 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
                if (s - 1) // per_round < len(records)}
     ckpt = checkpoint_dir(spec)
     eos = eos_token_ids(generation_config(ckpt), load_tokenizer(ckpt))
+    ends = {s: [bool(c) and c[-1] in eos for c in records[(s - 1) // per_round]["completion_ids"]] for s in lengths}
     has_eos = any(t in eos for ids in records[0]["prompt_ids"] for t in ids) if records else False
     atol, rtol = (1e-5, 1.3e-6) if spec.DTYPE == "float32" else (1e-2, 1.6e-2)
-    found = diff(mine, ref, search.base, lengths, eos, has_eos, atol, rtol)
+    found = diff(mine, ref, search.base, lengths, eos, has_eos, atol, rtol, ends)
     for link in (found or {}).get("chain", []):  # a forward pass that differs on its own: which switch gives yours?
         if link["tensor"] in ("logps", "ref_logps") and link.get("independent") and link.get("candidates"):
             for cand in link["candidates"]:

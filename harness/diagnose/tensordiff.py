@@ -99,9 +99,12 @@ def _where(a, b, group: int, atol: float, rtol: float) -> dict | None:
 
 
 def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, list[int]], eos_ids: list[int],
-         prompts_have_eos: bool, atol: float = 1e-5, rtol: float = 1.3e-6) -> dict | None:
+         prompts_have_eos: bool, atol: float = 1e-5, rtol: float = 1.3e-6,
+         ends_with_eos: dict[int, list[bool]] | None = None) -> dict | None:
     """The first differing link of the chain. `yours`, `ref`: {step: {tensor: value}} (read_tensors);
-    `lengths`: {step: each completion's length}; returns None when your loop saved no tensor both sides have."""
+    `lengths`: {step: each completion's length}; `ends_with_eos`: {step: whether each completion ends with an eos}
+    (without it a mask one token short is not named the eos); returns None when your loop saved no tensor both
+    sides have."""
     steps = sorted(set(yours) & set(ref))
     chain_at: list[dict] = []
     for step in steps:
@@ -131,7 +134,8 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
                 chain_at.append({"tensor": name, "status": "same"})
                 continue
             status[name] = "differs"
-            how = _explain(name, a, b, spec, n, eos_ids, prompts_have_eos, atol, rtol)
+            how = _explain(name, a, b, spec, n, eos_ids, prompts_have_eos, atol, rtol,
+                           (ends_with_eos or {}).get(step))
             upstream = [d for d in DEPENDS[name] if status.get(d) == "differs"]
             if upstream and not how.get("exact"):  # what it is computed from differs: most likely a consequence
                 how = {"how": f"follows from {', '.join(upstream)} before it in the chain", "candidates": []}
@@ -162,7 +166,7 @@ def guesses_of(chain: list[dict], first: dict) -> list[dict]:
     return out
 
 
-def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol) -> dict:
+def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, ends=None) -> dict:
     """How the first differing tensor differs, and what would make the built-in loop do the same."""
     if name == "rewards":
         return {"how": "your loop scores the same completions otherwise (its own reward code, or other weights)",
@@ -171,7 +175,7 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol) -
     if name == "advantages":
         return _advantages(a, b, spec, atol, rtol)
     if name == "mask":
-        return _mask(a["mask"], b["mask"], lengths)
+        return _mask(a["mask"], b["mask"], lengths, ends)
     if name in ("logps", "old_logps", "ref_logps") and b.get("_after_clean_step"):
         return {"how": "the log-probs part after a step whose tensors all agreed: the first update differs (the "
                        "learning rate, weight decay, Adam's epsilon, clipping, a KL term's gradient)",
@@ -242,12 +246,14 @@ def _advantages(a, b, spec, atol, rtol) -> dict:
     return {"how": shape or "not one of the advantage options the built-in loop has", "candidates": []}
 
 
-def _mask(mine, theirs, lengths) -> dict:
+def _mask(mine, theirs, lengths, ends=None) -> dict:
     rows_mine = [sum(int(x) for x in r[:n]) for r, n in zip(mine, lengths or [len(r) for r in theirs])]
     rows_theirs = [sum(int(x) for x in r[:n]) for r, n in zip(theirs, lengths or [len(r) for r in theirs])]
     fewer = [t - m for m, t in zip(rows_mine, rows_theirs)]
-    if fewer and all(f in (0, 1) for f in fewer) and any(fewer):
-        last_off = all(f == 0 or int(r[n - 1]) == 0 for r, n, f in zip(mine, lengths or [], fewer))
+    if lengths and ends and fewer and all(f in (0, 1) for f in fewer) and any(fewer):
+        # exactly the completions that end with an eos lose exactly their last token
+        last_off = all((f == 1) == bool(e) and (f == 0 or int(r[n - 1]) == 0)
+                       for r, n, f, e in zip(mine, lengths, fewer, ends))
         if last_off:
             return {"how": "one token fewer at the end of each completion that ends with an eos: your loop leaves the "
                            "eos out of the loss (TRL counts it; no TRL setting)",
