@@ -44,6 +44,7 @@ import shutil
 import time
 from pathlib import Path
 
+from harness.diagnose import noise
 from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.tensordiff import words as tensor_words
@@ -52,7 +53,6 @@ from harness.runlog.atomic import atomic_write_text
 MAX_FIELDS = 10
 LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
 EXPLAIN_FILE = "your_loop_in_trl.toml"
-_IGNORE = ("step", "wall_s", "gen_s", "harness_s", "peak_mem_bytes", "step_time", "trl/epoch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +76,10 @@ BETA_VALUES = (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1)
 LR_VALUES = (1e-6, 2e-6, 3e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 
 
-def options(spec, logged: set[str], read: dict) -> list[Option]:
+def options(spec, logged: set[str]) -> list[Option]:
     """Every candidate change of `spec` (the search's current spec), in the order they are tried: the loss's shape
     and the advantages (step 1), then what acts through the first update (step 2), then through the second
-    (step 3). `logged`: the metrics your loop logs; `read`: the fields read from its log (not searched)."""
+    (step 3). `logged`: the metrics your loop logs (a logged learning rate is read, not searched)."""
     from trl_runner.translate import LOSS_TYPES
 
     out = [Option("LOSS_NORM", v, 1) for v in LOSS_TYPES if v != spec.LOSS_NORM]
@@ -183,9 +183,9 @@ def words(key: str, value) -> str:
     """What a spec change means, said of your loop."""
     fn = _WORDS.get(key)
     try:
-        return "your loop " + fn(value) if fn else f"your loop has {key} = {_toml(value)}"
+        return "your loop " + fn(value) if fn else f"your loop has {key} = {toml_value(value)}"
     except (KeyError, TypeError, ValueError):
-        return f"your loop has {key} = {_toml(value)}"
+        return f"your loop has {key} = {toml_value(value)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,10 +243,9 @@ class Judge:
 
     def __init__(self, yours, dtype: str, envelope=None):
         self.rows = {int(s): row for s, row in yours.iterrows()}
-        self.columns = [c for c in yours.columns if c not in _IGNORE and not is_derived(c)]
         self.dtype, self.tol, self.envelope = dtype, load_tolerances(), envelope
-        from harness.diagnose import noise
-
+        ignore = set(self.tol.get("ignore", {}).get("metrics", [])) | {"step"}  # timing and bookkeeping, as compare
+        self.columns = [c for c in yours.columns if c not in ignore and not is_derived(c)]
         self.k = noise.k_of(self.tol)
 
     def step(self, row: dict) -> tuple[list[str], float, float]:
@@ -271,10 +270,8 @@ class Judge:
                 continue
             t = tolerance_for(self.tol, "lockstep", self.dtype, m)
             limit = t.get("atol", 0.0) + t.get("rtol", 0.0) * abs(b)
-            if self.envelope is not None:
-                env = self.envelope.at(m, [step], [b])
-                if env is not None:
-                    limit = max(limit, self.k * float(env[0]))
+            env = self.envelope.at(m, [step], [b]) if self.envelope is not None else None
+            limit = float(noise.bound(limit, env[0] if env is not None else None, self.k))  # compare's bound
             d = abs(a - b)
             if d > limit:
                 outside.append(m)
@@ -328,6 +325,22 @@ class Search:
         self.steps = base.STEPS
         self.runs, self.steps_run, self.seconds = 0, 0, 0.0
         self.cache: dict[tuple, Trial] = {}
+        self._trl: dict[tuple, bool] = {}
+
+    def _folder(self, changes: dict, prefix: str = "") -> Path:
+        """One run folder per set of changes: its fields in the name (cut short), a hash of them after it."""
+        name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_") or "base"
+        return self.root / f"{prefix}{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+    def is_trl(self, changes: dict) -> bool:
+        """Every change has a TRL setting (translated once per field and value)."""
+        for k, v in changes.items():
+            key = (k, json.dumps(v))
+            if key not in self._trl:
+                self._trl[key] = bool(trl_fields(self.base, {k: v}))
+            if not self._trl[key]:
+                return False
+        return True
 
     def tensors(self, changes: dict, steps: int) -> Path:
         """The built-in loop with `changes` over the first `steps` steps, saving their tensors: its run folder."""
@@ -335,9 +348,7 @@ class Search:
         from scratch_grpo.train import train
 
         t0 = time.perf_counter()
-        name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_")
-        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-        folder = self.root / f"tensors-{name[:90]}-{digest}"
+        folder = self._folder(changes, "tensors-")
         spec = apply_alignment(self.base, {"set": changes})
         train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, tensor_steps=steps,
               stop_when=lambda row: int(row["step"]) >= steps)
@@ -362,9 +373,7 @@ class Search:
                 return _judged(known, min(horizon, known.ran), stop_at_parting)
             if stop_at_parting and parted_at is not None:
                 return _judged(known, parted_at, True)
-        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:8]  # short names, one folder per set of changes
-        name = "+".join(f"{k}={v}" for k, v in sorted(changes.items())).replace("/", "_") or "base"
-        folder = self.root / f"{name[:100]}-{digest}"
+        folder = self._folder(changes)
         judged: list = []
 
         def stop_when(row):
@@ -382,8 +391,7 @@ class Search:
         self.seconds += time.perf_counter() - t0
         self.runs += 1
         self.steps_run += len(judged)
-        trl = not any(not trl_fields(self.base, {k: v}) for k, v in changes.items())
-        out = Trial(changes, -1, [], 0.0, len(judged), str(folder), error, trl, 0.0, tuple(judged))
+        out = Trial(changes, -1, [], 0.0, len(judged), str(folder), error, self.is_trl(changes), 0.0, tuple(judged))
         if error is None:
             out = _judged(out, len(judged), stop_at_parting)
         self.cache[key] = out
@@ -415,8 +423,8 @@ class Search:
         while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
             first = state.agree + 1
             current = apply_alignment(self.base, {"set": state.changes})
-            opts = [o for o in options(current, set(self.judge.columns), start)
-                    if o.acts_from <= first and o.key not in state.changes and not any(k in state.changes for k, _ in o.also)]
+            opts = [o for o in options(current, set(self.judge.columns))
+                    if o.acts_from <= first and not set(o.changes()) & set(state.changes)]
             horizon = min(self.steps, first + LOOKAHEAD)
             here = self.trial(state.changes, horizon)  # the current set, judged over the same steps
             singles = [t for t in (self.trial({**state.changes, **o.changes()}, horizon) for o in opts)
@@ -425,9 +433,9 @@ class Search:
             best = singles[0] if singles else None
             if best is None or best.agree <= here.agree:  # none alone extends it: two at once (the closest few)
                 pool = singles[:PAIR_POOL]
+                added = [set(t.changes) - set(state.changes) for t in pool]
                 pairs = [self.trial({**a.changes, **b.changes}, horizon) for i, a in enumerate(pool)
-                         for b in pool[i + 1:] if set(a.changes) - set(state.changes) != set(b.changes) - set(state.changes)
-                         and not (set(a.changes) - set(state.changes)) & (set(b.changes) - set(state.changes))]
+                         for j, b in enumerate(pool[i + 1:], i + 1) if not added[i] & added[j]]  # other fields
                 pairs = [t for t in pairs if t.error is None and t.agree > here.agree]
                 if pairs:
                     best = max(pairs, key=Trial.score)
@@ -471,7 +479,7 @@ def _judged(t: Trial, steps: int, stop_at_parting: bool) -> Trial:
 
 
 def _with(changes: dict, lead: str = " with") -> str:
-    return f"{lead} " + ", ".join(f"{k} = {_toml(v)}" for k, v in changes.items()) if changes else ""
+    return f"{lead} " + ", ".join(f"{k} = {toml_value(v)}" for k, v in changes.items()) if changes else ""
 
 
 def _said(t: Trial, horizon: int) -> str:
@@ -487,7 +495,6 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     """Explain the cell's divergence (your loop against TRL on the rollouts of `cell_dir`): the attribution entries,
     the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
     written table where no quirk is left, match your loop at every step; `suspected` otherwise)."""
-    from harness.diagnose import noise
     from harness.diagnose.compare import load_any_run
     from harness.diagnose.pairs import compare_sides
     from harness.rollouts.lockstep import ROLLOUTS_FILE, ReplaySource
@@ -670,11 +677,11 @@ def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope
 def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
     parts = []
     if trl:
-        parts.append(f"your loop is TRL with {', '.join(f'{k} = {_toml(v)}' for k, v in trl.items())}"
+        parts.append(f"your loop is TRL with {', '.join(f'{k} = {toml_value(v)}' for k, v in trl.items())}"
                      + (f" (written to {path})" if path else ""))
     if quirks:
         said = "; ".join(words(k, v).removeprefix("your loop ") for k, v in quirks.items())
-        scratch = ", ".join(f"{k} = {_toml(v)}" for k, v in quirks.items())
+        scratch = ", ".join(f"{k} = {toml_value(v)}" for k, v in quirks.items())
         parts.append(("plus" if trl else "your loop is TRL except that it") + f" {said}: TRL has no setting for "
                      f"{'it' if len(quirks) == 1 else 'these'} (the built-in loop with {scratch} matches your loop)")
     return ", ".join(parts) if parts else "your loop is TRL as the spec sets it up"
@@ -686,14 +693,15 @@ def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, stat
                                                              "see the verdict)")
     lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation {what}",
              f"# on the same rollouts (cell {cell}, {runs} runs of the search).",
-             "[trl]"] + [f"{k} = {_toml(v)}" for k, v in trl.items()]
+             "[trl]"] + [f"{k} = {toml_value(v)}" for k, v in trl.items()]
     if quirks:
         lines += ["", "# What TRL has no setting for; the built-in loop reproduces it with these spec fields:"]
-        lines += [f"# {k} = {_toml(v)}    ({words(k, v)})" for k, v in quirks.items()]
+        lines += [f"# {k} = {toml_value(v)}    ({words(k, v)})" for k, v in quirks.items()]
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def _toml(value) -> str:
+def toml_value(value) -> str:
+    """A value as TOML writes it (true, "text", 0.01)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return json.dumps(value) if isinstance(value, str) else repr(value)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from harness.diagnose.attribution import attribute, own_pair, reset_cache
 from harness.diagnose.backends import InProcess, make_backend
+from harness.diagnose.explain import toml_value
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
 from harness.diagnose.showable import lost_updates_warning, update_summary, why_no_effect
@@ -449,12 +450,6 @@ def _fix_sentences(cell: dict) -> list[str]:
     return out
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value) if isinstance(value, str) else repr(value)
-
-
 def _capital(text: str) -> str:
     """A sentence's first letter up, unless it starts with a cause's name (batch, loss_type, ...)."""
     head = text.split(" ", 1)[0]
@@ -496,8 +491,8 @@ def headline(doc: dict) -> dict:
                          + f" ({cost.get('runs', 0)} runs, {cost.get('steps', 0)} steps, {cost.get('seconds', 0):g} s):")
             items += [_capital(why) + "." for why in _fix_sentences(c)]
             for d in lead["differences"]:
-                how = ", ".join(f"{k} = {_toml_value(v)}" for k, v in d["trl"].items())
-                items.append(f"{d['field']} = {_toml_value(d['value'])}: {d['words']}"
+                how = ", ".join(f"{k} = {toml_value(v)}" for k, v in d["trl"].items())
+                items.append(f"{d['field']} = {toml_value(d['value'])}: {d['words']}"
                              + (f" ([trl] {how})" if d["trl"] else " (TRL has no setting for it)")
                              + (", read from your log" if d.get("read_from_log") else "") + ".")
             items += [_capital(n) + "." for n in lead.get("notes", [])]

@@ -9,7 +9,6 @@ Standard library only: your loop's helper (`harness.loop.tensors`) writes throug
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 TENSORS_FILE = "tensors.jsonl"
@@ -55,7 +54,3 @@ def read_tensors(path: str | Path) -> dict[int, dict]:
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             out.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
     return out
-
-
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
