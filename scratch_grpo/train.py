@@ -57,7 +57,7 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
 
 
 def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False, stop_when=None,
-          tensor_steps: int = 0):
+          tensor_steps: int = 0, warm=None):
     """Train per `spec`, writing the metric log and manifest to `out_dir`. Returns the run folder.
 
     `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
@@ -70,6 +70,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     `tensor_steps`: save the first that many steps' tensors along the dataflow (rewards, advantages, the loss's
     mask, log-probs, per-token loss; rows in the rollout's order) to `tensors.jsonl` (harness/runlog/tensors.py),
     for the tensor diff against a loop of yours.
+    `warm`: a `harness.experiment.models.Warm` that keeps the loaded model across runs of one process (each run
+    starts from the checkpoint's weights, restored in place): the explanation search's candidates.
     """
     from harness.runlog.tensors import TENSORS_FILE, write_row
     from harness.experiment.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
@@ -91,12 +93,15 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
 
     # ---- model, tokenizer, data -------------------------------------------------------------------
     ckpt = checkpoint_dir(spec)
-    tokenizer = load_tokenizer(ckpt)
-    model = load_model(ckpt, spec.MASTER_WEIGHTS, device)  # fp32 masters (bf16 DTYPE: autocast), or bf16 weights
+    if warm is not None:  # the same model as the last run's, its weights restored to the checkpoint's
+        tokenizer, model = warm.get(ckpt, spec.MASTER_WEIGHTS, device, spec.GRADIENT_CHECKPOINTING)
+    else:
+        tokenizer = load_tokenizer(ckpt)
+        model = load_model(ckpt, spec.MASTER_WEIGHTS, device)  # fp32 masters (bf16 DTYPE: autocast), or bf16 weights
+        if spec.GRADIENT_CHECKPOINTING:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if noise_twin:
         core.nudge_ulp(model, spec.MASTER_WEIGHTS, spec.SEED)
-    if spec.GRADIENT_CHECKPOINTING:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ref_model = None
     if spec.BETA > 0:  # the frozen initial policy for the KL term

@@ -232,3 +232,29 @@ def test_tensor_diff_takes_column_tensors_and_leaves_an_upstream_loss_alone():
     assert found["first"]["tensor"] == "per_token_loss"
     loss_link = next(c for c in found["chain"] if c["tensor"] == "loss")
     assert not loss_link.get("exact") and not loss_link.get("candidates")
+
+
+def test_a_warm_model_starts_each_run_from_the_checkpoint_as_a_fresh_load(tmp_path):
+    """The search keeps one loaded model across candidates (`Warm`): a run after another run with other settings
+    (a KL reference, a higher lr, its weights trained away from the checkpoint and gradients left mid-way by an
+    early stop) logs exactly what a run on a freshly loaded model logs, step by step and weight by weight."""
+    import numpy as np
+
+    from harness.experiment.models import Warm
+    from harness.runlog.log import read_run
+    from harness.runlog.params import SKETCH_FILE
+    from scratch_grpo.train import train
+
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=3"])
+    other = load_spec(DEFAULT_SPEC, ["STEPS=3", "LR=0.05", "BETA=0.04"])
+    fresh = train(spec, tmp_path / "fresh", progress=False)
+    warm = Warm()
+    train(other, tmp_path / "other", progress=False, warm=warm, stop_when=lambda row: int(row["step"]) >= 2)
+    again = train(spec, tmp_path / "again", progress=False, warm=warm)
+    assert warm.loads == 1  # the second run did not load the checkpoint
+    a, b = read_run(fresh), read_run(again)
+    for col in ("loss", "grad_norm", "kl", "reward"):
+        if col in a:
+            assert a[col].tolist() == b[col].tolist(), col
+    sketch = [np.fromfile(run / SKETCH_FILE, dtype=np.float32) for run in (fresh, again)]
+    assert sketch[0].size > 0 and np.array_equal(sketch[0], sketch[1])

@@ -326,6 +326,9 @@ class Search:
         self.runs, self.steps_run, self.seconds = 0, 0, 0.0
         self.cache: dict[tuple, Trial] = {}
         self._trl: dict[tuple, bool] = {}
+        from harness.experiment.models import Warm
+
+        self.warm = Warm()  # one loaded model for every candidate (restored to the checkpoint's weights each run)
 
     def _folder(self, changes: dict, prefix: str = "") -> Path:
         """One run folder per set of changes: its fields in the name (cut short), a hash of them after it."""
@@ -351,7 +354,7 @@ class Search:
         folder = self._folder(changes, "tensors-")
         spec = apply_alignment(self.base, {"set": changes})
         train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, tensor_steps=steps,
-              stop_when=lambda row: int(row["step"]) >= steps)
+              warm=self.warm, stop_when=lambda row: int(row["step"]) >= steps)
         self.runs, self.steps_run, self.seconds = self.runs + 1, self.steps_run + steps, \
             self.seconds + time.perf_counter() - t0
         return folder
@@ -385,7 +388,8 @@ class Search:
         error = None
         try:
             spec = apply_alignment(self.base, {"set": changes})
-            train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, stop_when=stop_when)
+            train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, stop_when=stop_when,
+                  warm=self.warm)
         except Exception as e:  # noqa: BLE001 - a candidate the loop refuses is no explanation
             error = f"{type(e).__name__}: {str(e)[:100]}"
         self.seconds += time.perf_counter() - t0

@@ -132,6 +132,37 @@ def load_model(path: Path, dtype: str, device: str):
     return model.to(device)
 
 
+class Warm:
+    """One checkpoint and its tokenizer, loaded once and kept across the runs of one process (the explanation
+    search's candidates, hundreds of short runs on one model). Each `get` hands back the same model with the
+    weights it was loaded with copied back in place, gradients cleared and gradient checkpointing as asked, so a
+    run starts from exactly the checkpoint, as after `load_model`, without reading it again."""
+
+    def __init__(self):
+        self.key, self.model, self.tokenizer, self.initial, self.loads = None, None, None, None, 0
+
+    def get(self, path: Path, dtype: str, device: str, checkpointing: bool = False):
+        import torch
+
+        key = (str(path), dtype, device)
+        if key != self.key:
+            self.key, self.model = None, None  # the old one is freed before the new one loads
+            self.tokenizer, self.model = load_tokenizer(path), load_model(path, dtype, device)
+            self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.key, self.loads = key, self.loads + 1
+        else:
+            with torch.no_grad():
+                for k, v in self.model.state_dict().items():
+                    v.copy_(self.initial[k])
+            for p in self.model.parameters():
+                p.grad = None
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif self.model.is_gradient_checkpointing:
+            self.model.gradient_checkpointing_disable()
+        return self.tokenizer, self.model
+
+
 def generation_config(path: Path):
     """A checkpoint's generation config without loading its weights (what from_pretrained would attach)."""
     from transformers import AutoConfig, GenerationConfig
