@@ -99,7 +99,7 @@ def options(spec, logged: set[str]) -> list[Option]:
     out += [Option("WEIGHT_DECAY", v, 2) for v in (0.0, 0.01, 0.1) if v != spec.WEIGHT_DECAY]
     out += [Option("MAX_GRAD_NORM", v, 2) for v in (0.0, 1.0, 0.5) if v != spec.MAX_GRAD_NORM]
     out += [Option("ADAM_EPS", v, 2) for v in (1e-6, 1e-5) if v != spec.ADAM_EPS]
-    out += [Option("ADAM_BETA2", v, 3) for v in (0.999, 0.99, 0.98, 0.95) if v != spec.ADAM_BETA2]
+    out += [Option("ADAM_BETA2", v, 3) for v in (0.999, 0.99, 0.98, 0.95, 0.9) if v != spec.ADAM_BETA2]
     out += [Option("ADAM_BETA1", v, 3) for v in (0.9, 0.0) if v != spec.ADAM_BETA1]
     if "learning_rate" not in logged:
         out += [Option("LR_SCHEDULE", v, 3) for v in ("constant", "linear") if v != spec.LR_SCHEDULE]
@@ -430,15 +430,16 @@ class Search:
             opts = [o for o in options(current, set(self.judge.columns))
                     if o.acts_from <= first and not set(o.changes()) & set(state.changes)]
             horizon = min(self.steps, first + LOOKAHEAD)
-            here = self.trial(state.changes, horizon)  # the current set, judged over the same steps
-            singles = [t for t in (self.trial({**state.changes, **o.changes()}, horizon) for o in opts)
-                       if t.error is None]
+            here = self.trial(state.changes, horizon, stop_at_parting=True)  # judged as the candidates are
+            # each stops where it parts (as the docstring says): one that does not fix step `first` runs no further
+            singles = [t for t in (self.trial({**state.changes, **o.changes()}, horizon, stop_at_parting=True)
+                                   for o in opts) if t.error is None]
             singles.sort(key=Trial.score, reverse=True)
             best = singles[0] if singles else None
             if best is None or best.agree <= here.agree:  # none alone extends it: two at once (the closest few)
                 pool = singles[:PAIR_POOL]
                 added = [set(t.changes) - set(state.changes) for t in pool]
-                pairs = [self.trial({**a.changes, **b.changes}, horizon) for i, a in enumerate(pool)
+                pairs = [self.trial({**a.changes, **b.changes}, horizon, True) for i, a in enumerate(pool)
                          for j, b in enumerate(pool[i + 1:], i + 1) if not added[i] & added[j]]  # other fields
                 pairs = [t for t in pairs if t.error is None and t.agree > here.agree]
                 if pairs:
