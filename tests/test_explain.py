@@ -258,3 +258,90 @@ def test_a_warm_model_starts_each_run_from_the_checkpoint_as_a_fresh_load(tmp_pa
             assert a[col].tolist() == b[col].tolist(), col
     sketch = [np.fromfile(run / SKETCH_FILE, dtype=np.float32) for run in (fresh, again)]
     assert sketch[0].size > 0 and np.array_equal(sketch[0], sketch[1])
+
+
+def test_a_change_below_the_runs_rounding_is_not_kept_though_it_brings_a_step_inside(tmp_path, monkeypatch):
+    """In bf16 a change that only perturbs the rounding can push a step back inside tolerance. The search keeps a
+    field only if it moves some metric beyond the bound from the current set: in a world where beta = 0.04 moves
+    the loss by 0.1 from step 2 and a std epsilon of 1e-8 moves it by 0.8 of the bound at step 4, where your loop is
+    1.5 bounds away, beta is kept and the epsilon is not; the search says where it stopped and why."""
+    import scratch_grpo.train
+    from harness.diagnose.compare import load_tolerances, tolerance_for
+    from harness.diagnose.explain import Search, below_rounding_words
+
+    t = tolerance_for(load_tolerances(), "lockstep", "float32", "loss")
+    bound = t.get("atol", 0.0) + t.get("rtol", 0.0) * 1.1
+
+    def loss(step, beta, std_eps):
+        return 1.0 + (0.1 if beta == 0.04 and step >= 2 else 0.0) + (0.8 * bound if std_eps == 1e-8 and step == 4
+                                                                     else 0.0)
+
+    def fake_train(spec, folder, rollout_source=None, progress=False, stop_when=None, warm=None, **_):
+        for step in range(1, spec.STEPS + 1):
+            if stop_when({"step": step, "loss": loss(step, spec.BETA, spec.STD_EPS), "grad_norm": 1.0}):
+                return
+
+    monkeypatch.setattr(scratch_grpo.train, "train", fake_train)
+    base = load_spec(DEFAULT_SPEC, ["STEPS=5", "BETA=0.0"])
+    yours = pd.DataFrame([{"step": s, "loss": loss(s, 0.04, 1e-4) + (1.5 * bound if s == 4 else 0.0),
+                           "grad_norm": 1.0} for s in range(1, 6)]).set_index("step", drop=False)
+    search = Search(base, yours, [], tmp_path, log=lambda *_: None)
+    state, trace = search.run({})
+    assert state.changes == {"BETA": 0.04} and state.agree == 3, (state.changes, state.agree)
+    assert [t["changes"] for t in trace] == [{"BETA": 0.04}] and trace[0]["moves"]
+    assert search.below_rounding["at_step"] == 4 and {"STD_EPS": 1e-8} in search.below_rounding["changes"]
+    assert "cannot be told from rounding" in below_rounding_words(search.below_rounding, "bfloat16")
+    record = json.loads((tmp_path / "search.json").read_text())
+    assert [r["at_step"] for r in record["rounds"]] == [2, 4] and record["stopped_below_rounding"]["at_step"] == 4
+
+
+def test_a_search_stopped_below_bf16_rounding_is_run_again_in_float32(tmp_path, monkeypatch):
+    """The world of the test above, with your loop in bf16 (its 1.5 bounds at step 4 are its own rounding) and in
+    float32 (none): the bf16 search keeps beta and stops below rounding at step 4; in_float32 re-runs your loop and
+    the search in float32 on the same rollouts, starting from beta, and reaches parity with beta alone."""
+    import dataclasses
+
+    import loop_runner.run
+    import scratch_grpo.train
+    from harness.diagnose.compare import load_tolerances, tolerance_for
+    from harness.diagnose.explain import Search, escalated_words, in_float32
+
+    t = tolerance_for(load_tolerances(), "lockstep", "float32", "loss")
+    bound = t.get("atol", 0.0) + t.get("rtol", 0.0) * 1.1
+
+    def loss(step, beta, std_eps, rounding=0.0):
+        return (1.0 + (0.1 if beta == 0.04 and step >= 2 else 0.0)
+                + (0.8 * bound if std_eps == 1e-8 and step == 4 else 0.0) + (rounding if step == 4 else 0.0))
+
+    def fake_train(spec, folder, rollout_source=None, progress=False, stop_when=None, warm=None, **_):
+        for step in range(1, spec.STEPS + 1):
+            if stop_when({"step": step, "loss": loss(step, spec.BETA, spec.STD_EPS), "grad_norm": 1.0}):
+                return
+
+    def fake_loop(spec, out_dir, rollouts=None, progress=False, log=print):  # your loop, as it runs in spec.DTYPE
+        assert spec.DTYPE == "float32" and rollouts.name == "loop_rollouts.jsonl"
+        out_dir.mkdir(parents=True)
+        (out_dir / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": loss(s, 0.04, 1e-4), "grad_norm": 1.0}) + "\n" for s in range(1, 6)))
+        return out_dir
+
+    monkeypatch.setattr(scratch_grpo.train, "train", fake_train)
+    monkeypatch.setattr(loop_runner.run, "train", fake_loop)
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=5", "BETA=0.0", 'TOLERANCE="static"'])
+    bf16 = dataclasses.replace(spec, DTYPE="bfloat16")  # as on a GPU (the spec's check refuses bf16 on a CPU)
+    (tmp_path / "yours").mkdir()
+    rows = [{"step": s, "loss": loss(s, 0.04, 1e-4, 1.5 * bound), "grad_norm": 1.0} for s in range(1, 6)]
+    (tmp_path / "yours" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yours = pd.DataFrame(rows).set_index("step", drop=False)
+    search = Search(spec, yours, [], tmp_path / "explain", log=lambda *_: None)
+    state, _trace = search.run({})
+    assert state.changes == {"BETA": 0.04} and search.below_rounding["at_step"] == 4
+    assert in_float32(spec, tmp_path, [], search, state, {}, log=lambda *_: None) is None  # float32 already
+    out = in_float32(bf16, tmp_path, [], search, state, {}, log=lambda *_: None)
+    assert out is not None
+    spec32, again, state32, _trace32, yours_dir, _env = out
+    assert spec32.DTYPE == "float32" and yours_dir == tmp_path / "explain" / "float32" / "yours"
+    assert state32.changes == {"BETA": 0.04} and state32.agree == 5, (state32.changes, state32.agree)
+    assert again.escalated_from["at_step"] == 4 and again.escalated_from["agree"] == 3
+    assert again.escalated_from["loop_ignores_dtype"] is False  # the same step-1 loss in any dtype is no sign
+    assert "re-run in float32" in escalated_words(again.escalated_from, "bfloat16")

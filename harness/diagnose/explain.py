@@ -53,6 +53,7 @@ from harness.runlog.atomic import atomic_write_text
 MAX_FIELDS = 10
 LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
 EXPLAIN_FILE = "your_loop_in_trl.toml"
+SEARCH_FILE = "search.json"  # in the cell's explain/ folder: every round, every candidate, each step's judgement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,10 +252,26 @@ class Judge:
     def step(self, row: dict) -> tuple[list[str], float, float]:
         """(the metrics outside tolerance at this step, how far outside in all: sum of log10(1 + excess), and how
         near within it: the sum of |a - b| / tolerance over the metrics inside, each below 1)."""
-        step = int(row["step"])
-        mine = self.rows.get(step)
+        mine = self.rows.get(int(row["step"]))
         if mine is None:  # a step your loop did not log: not compared
             return [], 0.0, 0.0
+        return self.apart(mine, row)
+
+    def moved(self, before: Trial, after: Trial, upto: int) -> list[str]:
+        """'metric@step' for each metric that `after` moves beyond the bound from `before` over the steps both ran
+        up to `upto`: a change that moves nothing beyond the bound is below the run's own rounding, whatever it does
+        to the agreement with your loop (bf16 noise can push a step back inside tolerance)."""
+        mine = {int(r["step"]): r for r in before.rows}
+        out = []
+        for row in after.rows:
+            step = int(row["step"])
+            if step <= upto and step in mine:
+                out += [f"{m}@{step}" for m in self.apart(mine[step], row)[0]]
+        return out
+
+    def apart(self, mine: dict, row: dict) -> tuple[list[str], float, float]:
+        """`step`'s judgement of `row` against `mine` (a row of the same step)."""
+        step = int(row["step"])
         outside, far, near = [], 0.0, 0.0
         for m in self.columns:
             a, b = mine.get(m), row.get(m)
@@ -293,6 +310,7 @@ class Trial:
     trl: bool = True  # every change has a TRL setting
     near: float = 0.0  # how near within tolerance over the steps it agreed (a tie-break among look-alikes)
     per_step: tuple = ()  # (outside, far, near) of each step it ran: the same trial judged over fewer steps
+    rows: tuple = ()  # the judged metrics it logged, a dict a step (what it moved against another trial)
 
     def score(self):
         """Agreement first; then fewer metrics outside where it parts; then nearer over the steps it ran (outside,
@@ -325,6 +343,9 @@ class Search:
         self.steps = base.STEPS
         self.runs, self.steps_run, self.seconds = 0, 0, 0.0
         self.cache: dict[tuple, Trial] = {}
+        self.rounds: list[dict] = []  # each round of the search: the current set, every candidate, what was kept
+        self.below_rounding: dict | None = None  # where it stopped because only changes below rounding did better
+        self.escalated_from: dict | None = None  # a float32 search: where the bf16 one stopped (in_float32)
         self._trl: dict[tuple, bool] = {}
         from harness.experiment.models import Warm
 
@@ -378,10 +399,12 @@ class Search:
                 return _judged(known, parted_at, True)
         folder = self._folder(changes)
         judged: list = []
+        rows: list = []
 
         def stop_when(row):
             outside, far, near = self.judge.step(row)
             judged.append((outside, far, near))
+            rows.append({m: row.get(m) for m in ("step", *self.judge.columns)})
             return int(row["step"]) >= horizon or (stop_at_parting and bool(outside))
 
         t0 = time.perf_counter()
@@ -395,19 +418,30 @@ class Search:
         self.seconds += time.perf_counter() - t0
         self.runs += 1
         self.steps_run += len(judged)
-        out = Trial(changes, -1, [], 0.0, len(judged), str(folder), error, self.is_trl(changes), 0.0, tuple(judged))
+        out = Trial(changes, -1, [], 0.0, len(judged), str(folder), error, self.is_trl(changes), 0.0, tuple(judged),
+                    tuple(rows))
         if error is None:
             out = _judged(out, len(judged), stop_at_parting)
         self.cache[key] = out
         return out
 
+    def save(self) -> None:
+        """search.json in the search's folder: every round so far (rewritten after each, so a run cut short keeps
+        what it tried)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.root / SEARCH_FILE, json.dumps(
+            {"runs": self.runs, "steps": self.steps_run, "seconds": round(self.seconds, 1), "rounds": self.rounds,
+             "stopped_below_rounding": self.below_rounding}, indent=1, default=str))
+
     def whole(self, changes: dict) -> Trial:
         """Over every step, stopping where it parts."""
         return self.trial(changes, self.steps, stop_at_parting=True)
 
-    def run(self, start: dict, guesses: list[dict] = (), exact_first: bool = False) -> tuple[Trial, list[dict]]:
+    def run(self, start: dict, guesses: list[dict] = (), exact_first: bool = False,
+            guessed_by: str = "") -> tuple[Trial, list[dict]]:
         """Greedy over fields, judged by agreement: returns the best trial and the trace of kept fields. `guesses`:
-        changes the tensor diff points at, tried first (the one that extends the agreement most is kept)."""
+        changes the tensor diff points at (or, `guessed_by` names it, another source: a bf16 search's answer), tried
+        first (the one that extends the agreement most is kept)."""
         state = self.whole(start)
         trace = []
         self.log(f"    explain: the built-in loop as TRL{_with(start)}: " + _said(state, self.steps))
@@ -421,8 +455,9 @@ class Search:
             added = {k: v for k, v in best.changes.items() if k not in start}
             trace.append({"at_step": state.agree + 1, "changes": added, "agree_before": state.agree,
                           "agree_after": best.agree, "from_tensors": bool(exact) and best is exact[0],
-                          "guessed_from_tensors": True})
-            self.log(f"    explain: the tensor diff's {_with(added, 'guess,')}: " + _said(best, self.steps))
+                          "guessed_from_tensors": not guessed_by, **({"guessed_by": guessed_by} if guessed_by else {})})
+            self.log(f"    explain: {guessed_by or 'the tensor diff'}'s {_with(added, 'guess,')}: "
+                     + _said(best, self.steps))
             state = best
         while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
             first = state.agree + 1
@@ -435,19 +470,42 @@ class Search:
             singles = [t for t in (self.trial({**state.changes, **o.changes()}, horizon, stop_at_parting=True)
                                    for o in opts) if t.error is None]
             singles.sort(key=Trial.score, reverse=True)
-            best = singles[0] if singles else None
+            # a change is a difference only if it moves some metric beyond the bound from where it starts: below
+            # that it is rounding, and in bf16 rounding alone can bring a step back inside tolerance
+            tried = [(t, self.judge.moved(here, t, horizon)) for t in singles]
+            best = next((t for t, seen in tried if seen), None)
             if best is None or best.agree <= here.agree:  # none alone extends it: two at once (the closest few)
                 pool = singles[:PAIR_POOL]
                 added = [set(t.changes) - set(state.changes) for t in pool]
-                pairs = [self.trial({**a.changes, **b.changes}, horizon, True) for i, a in enumerate(pool)
-                         for j, b in enumerate(pool[i + 1:], i + 1) if not added[i] & added[j]]  # other fields
-                pairs = [t for t in pairs if t.error is None and t.agree > here.agree]
+                pairs = []
+                for i, a in enumerate(pool):
+                    for b in (b for j, b in enumerate(pool[i + 1:], i + 1) if not added[i] & added[j]):  # two fields
+                        t = self.trial({**a.changes, **b.changes}, horizon, True)
+                        if t.error is None and t.agree > here.agree:  # each half moves it from the other alone
+                            seen = [self.judge.moved(x, t, horizon) for x in (here, a, b)]
+                            pairs.append((t, seen[0] if all(seen) else []))
+                tried += pairs
+                pairs = [t for t, seen in pairs if seen]
                 if pairs:
                     best = max(pairs, key=Trial.score)
+            rounding = [t for t, seen in tried if not seen and t.better_than(here)
+                        and (best is None or Trial.score(t) > Trial.score(best))]
+            self.rounds.append({"at_step": first, "current": _record(here), "kept": _record(best) if best is not None
+                                and best.better_than(here) else None,
+                                "tried": [{**_record(t), "moves": seen[:6]} for t, seen in tried]})
+            if rounding:
+                self.below_rounding = {"at_step": first, "changes": [_changed(t, state) for t in rounding[:3]],
+                                       "outside": here.outside}
+                self.log(f"    explain: at step {first}, {len(rounding)} change(s) would do better but move no metric "
+                         f"beyond the bound from the current set (rounding, not a difference; not kept): "
+                         + "; ".join(_with(_changed(t, state), '').strip() for t in rounding[:3]))
+            self.save()
             if best is None or not best.better_than(here):
                 break
-            added = {k: v for k, v in best.changes.items() if k not in state.changes}
-            trace.append({"at_step": first, "changes": added, "agree_before": state.agree, "agree_after": best.agree})
+            self.below_rounding = None
+            added = _changed(best, state)
+            trace.append({"at_step": first, "changes": added, "agree_before": state.agree, "agree_after": best.agree,
+                          "moves": next(seen for t, seen in tried if t is best)[:6]})
             self.log(f"    explain: at step {first}, {_with(added, 'with')}: " + _said(best, horizon))
             state = self.whole(best.changes)
             if state.agree > horizon or state.agree == self.steps:
@@ -483,6 +541,18 @@ def _judged(t: Trial, steps: int, stop_at_parting: bool) -> Trial:
     return dataclasses.replace(t, agree=agree, outside=outside, far=far, near=near)
 
 
+def _changed(t: Trial, state: Trial) -> dict:
+    """What `t` adds to the current set."""
+    return {k: v for k, v in t.changes.items() if k not in state.changes}
+
+
+def _record(t: Trial) -> dict:
+    """A trial as search.json keeps it: what it changed, how long it agreed, what parted it, each step's judgement."""
+    return {"changes": t.changes, "agree": t.agree, "outside": t.outside, "ran": t.ran, "error": t.error,
+            "far": round(t.far, 4), "steps": [{"outside": o, "far": round(f, 4), "near": round(n, 4)}
+                                              for o, f, n in t.per_step]}
+
+
 def _with(changes: dict, lead: str = " with") -> str:
     return f"{lead} " + ", ".join(f"{k} = {toml_value(v)}" for k, v in changes.items()) if changes else ""
 
@@ -513,6 +583,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     root = cell_dir / "explain"
     if root.exists():
         shutil.rmtree(root)
+    spec_dtype = spec.DTYPE
     base = scratch_as_trl(spec)
     read, said = settings_from_log(yours, base)
     fd = result.get("first_divergence") or {}
@@ -532,8 +603,14 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     guesses = (found or {}).get("guesses", [])
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
     state, trace = search.run(read, guesses, exact_first)
+    search.save()
+    escalated = in_float32(spec, cell_dir, records, search, state, read, log)
+    if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
+        spec, search, state, trace, yours_dir, envelope = escalated
+        notes.append(escalated_words(escalated[1].escalated_from, spec_dtype))
     from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
     changes = state.changes
+    base = search.base
     trl = trl_fields(base, changes) if changes else {}
     quirks = {k: v for k, v in changes.items() if not trl_fields(base, {k: v})}
     differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
@@ -543,12 +620,17 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
              "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
     if found:
         entry["tensor_diff"] = {**found, "words": tensor_words(found)}
+    if escalated is not None:
+        entry["precision"] = {"dtype": spec.DTYPE, "from": spec_dtype, **search.escalated_from}
     if state.agree < search.steps:
         where = (f"; even it parts at step {state.agree + 1} on {', '.join(state.outside[:4])}" if state.outside
                  else "")
         closest = _sentence(trl, quirks, None) if changes else "the spec's own settings"
-        text = (f"no setting the search knows matches your loop at every step (closest: {closest}{where}); the "
-                "difference is outside what TRL and the built-in loop's switches can be set to")
+        text = f"no setting the search knows matches your loop at every step (closest: {closest}{where}); "
+        if search.below_rounding:  # what would do better is rounding: at this precision the rest is noise
+            text += below_rounding_words(search.below_rounding, spec.DTYPE)
+        else:
+            text += "the difference is outside what TRL and the built-in loop's switches can be set to"
         links = [c for c in (found or {}).get("chain", []) if c.get("independent") or c.get("only_yours")]
         if links:
             text += "; the tensor diff found, link by link: " + "; ".join(f"{c['tensor']}: {c['how']}" for c in links)
@@ -567,6 +649,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope)
         search.runs += 1
     sentence = _sentence(trl, quirks, path)
+    if escalated is not None:
+        sentence += f" (found in float32: {escalated_words(search.escalated_from, spec_dtype)})"
     if derived:
         sentence += "; " + defined_differently_words(derived, final)
     ok = not weights_off and final_fd is None and confirmed_by_trl is not False
@@ -585,6 +669,79 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     entry["cost"] = {**cost, "runs": search.runs, "seconds": round(time.perf_counter() - t0, 1)}
     log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
     return [entry]
+
+
+def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read: dict, log=print):
+    """Where a bf16 search stopped because only changes below its rounding did better: your loop and the search
+    again in float32 (fp32 weights and arithmetic; TF32 is off in torch by default) on the same rollouts, starting
+    from what bf16 found. None when not needed (float32 already, or the search stopped for another reason) or when
+    your loop fails in float32; else (spec, search, state, trace, your run's folder, envelope) in float32, the
+    search's `escalated_from` saying where bf16 stopped."""
+    from harness.diagnose.compare import load_any_run
+    from harness.diagnose.pairs import twin_envelope
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ReplaySource
+    from loop_runner.run import LoopError
+    from loop_runner.run import train as train_loop
+    from scratch_grpo.train import train as train_scratch
+
+    if spec.DTYPE == "float32" or state.agree >= search.steps or not search.below_rounding:
+        return None
+    root = search.root / "float32"
+    spec32 = apply_alignment(spec, {"set": {"DTYPE": "float32", "MASTER_WEIGHTS": "float32"}})
+    log(f"    explain: in {spec.DTYPE} the rest is below rounding from step {search.below_rounding['at_step']}: your "
+        "loop and the search again in float32 on the same rollouts")
+    t0 = time.perf_counter()
+    try:
+        train_loop(spec32, root / "yours", rollouts=Path(cell_dir) / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
+    except LoopError as e:
+        log(f"    explain: your loop in float32 failed ({str(e)[:200]}); the {spec.DTYPE} answer stands")
+        return None
+    yours = load_any_run(root / "yours")
+    before = load_any_run(Path(cell_dir) / "yours")
+    same = _same_log(yours, before, [c for c in ("grad_norm", "loss") if c in yours and c in before])
+    base = scratch_as_trl(spec32)
+    envelope = None
+    if spec32.TOLERANCE == "calibrated":  # the float32 noise twin of what bf16 found
+        plain = apply_alignment(base, {"set": state.changes})
+        for name, twin in (("plain", False), ("twin", True)):
+            train_scratch(plain, root / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
+        envelope = twin_envelope(root / "plain", root / "twin")
+    search.warm = None  # the bf16 model: freed before the float32 one loads
+    again = Search(base, yours, records, root / "search", envelope, search.log)
+    again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
+    again.steps_run = search.steps_run + 3 * search.steps
+    again.escalated_from = {**search.below_rounding, "agree": state.agree, "found": state.changes,
+                            "loop_ignores_dtype": same}
+    guess = {k: v for k, v in state.changes.items() if k not in read}
+    state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
+    again.save()
+    return spec32, again, state32, trace, root / "yours", envelope
+
+
+def _same_log(a, b, columns: list[str]) -> bool:
+    """Two runs logged exactly the same values of `columns` at every step both logged (the step-1 loss alone is
+    the same in any dtype: the ratio is 1 and the KL 0 there, so it is the advantages' mean)."""
+    steps = a.index.intersection(b.index)
+    return bool(len(steps) and columns) and all(
+        a.loc[steps, c].astype(float).equals(b.loc[steps, c].astype(float)) for c in columns)
+
+
+def escalated_words(where: dict, dtype: str) -> str:
+    said = (f"in {dtype} the search's best agreed through step {where['agree']} and what was left from step "
+            f"{where['at_step']} was below its rounding, so your loop and the search were re-run in float32 on the "
+            "same rollouts")
+    if where.get("loop_ignores_dtype"):
+        said += (" (your loop's float32 run logged exactly what its bf16 run did, step for step: does it read DTYPE "
+                 "from PARITY_SPEC?)")
+    return said
+
+
+def below_rounding_words(where: dict, dtype: str) -> str:
+    """Why the search stopped where only changes below the run's rounding did better."""
+    said = " or ".join(_with(c, "").strip() for c in where["changes"])
+    return (f"from step {where['at_step']} the changes that bring the two back inside tolerance ({said}) move no "
+            f"metric beyond the bound from the current set: in {dtype} what is left cannot be told from rounding "
+            f"noise (run the cell with DTYPE = \"float32\" to tell it apart)")
 
 
 _HOW_TRL_LOGS = {"kl": "a mean over each micro-batch's completion tokens, micro-batches cut from the shuffled batch, "

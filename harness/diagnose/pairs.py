@@ -212,7 +212,8 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
              sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None) -> dict:
     """Both sides on `spec` into out_dir/<side>; returns the comparison of sides[0] with sides[1]. `store`: where
     scratch runs are shared (a matrix's); a run stored there with the same `scratch_key` is copied, not re-made."""
-    from harness.rollouts.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource, write_loop_rollouts
+    from harness.rollouts.lockstep import (LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, RecordingSource, ReplaySource,
+                                           write_loop_rollouts)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "free":
@@ -225,7 +226,7 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
             _train("trl", spec, out_dir / "trl", progress, rollouts=out_dir / ROLLOUTS_FILE, replay=replay)
             broken = replay.broken_rounds
         elif side == "yours":
-            loop_rollouts = write_loop_rollouts(spec, records, out_dir / "loop_rollouts.jsonl")
+            loop_rollouts = write_loop_rollouts(spec, records, out_dir / LOOP_ROLLOUTS_FILE)
             _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
     result = compare_sides(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope)
     result["notes"] += notes

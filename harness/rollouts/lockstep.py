@@ -18,6 +18,7 @@ from harness.rollouts.fastgen import sample_policy, static_decoder_for
 from harness.runlog.atomic import atomic_open
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+LOOP_ROLLOUTS_FILE = "loop_rollouts.jsonl"  # the same rounds as your loop reads them (write_loop_rollouts)
 
 
 def shuffle_seed(seed: int, round_idx: int) -> int:
