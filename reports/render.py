@@ -1,9 +1,10 @@
 """Self-contained HTML reports: the verdict first, then the curves, then the details.
 
 One file per parity run (`DIR/report.html`) and per `compare` (`OUT/report.html`), plus
-`index.html` for a folder of parity runs. Figures are matplotlib PNGs inlined as base64; the page
-loads nothing from the network. Jinja2 autoescapes every value: completions, prompts and error
-messages are model or user text and show as text, never as markup.
+`index.html` for a folder of parity runs. The parity page's figures are inline SVG (reports/svg.py, texts escaped
+there); the compare page's are matplotlib PNGs inlined as base64. The page loads nothing from the network. Jinja2
+autoescapes every other value: completions, prompts and error messages are model or user text and show as text,
+never as markup.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 
-from harness.diagnose import noise
 from harness.runlog.atomic import atomic_write_text
+from reports import svg
 
 TEMPLATES = Path(__file__).with_name("templates")
 GROUPS = {
@@ -65,15 +67,6 @@ def _num(v, digits: int = 4) -> str:
     return str(v)
 
 
-def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)  # no tight bbox: it re-draws every axis and costs most of the time
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 # ---------------------------------------------------------------------------------------------
 # figures
 # ---------------------------------------------------------------------------------------------
@@ -90,18 +83,6 @@ TIMING = frozenset(GROUPS["throughput and memory"])
 # bookkeeping columns: compared by the comparator, never drawn as curves
 NOT_CURVES = frozenset({"step", "prompt_ids_hash", "reward_errors", "step_time", "num_tokens"})
 MAX_PANELS = 9  # a cell shows at most this many curves; the rest are listed in words
-
-
-def _style_axis(ax) -> None:
-    """Integer steps, no offset or scientific shorthand on the value axis, labels a person can read."""
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
-    if ax.get_yscale() == "linear":  # log axes keep their decades
-        ax.yaxis.set_major_locator(MaxNLocator(nbins=4))
-        ax.ticklabel_format(axis="y", useOffset=False)
-    ax.tick_params(labelsize=9)
-    ax.grid(alpha=0.25, lw=0.6)
 
 
 def _band(t: dict | None, y):
@@ -129,165 +110,216 @@ def classify_metrics(a, b, metrics) -> dict:
     return out
 
 
+BLUE, ORANGE, RED, GREEN, GREY, PURPLE = "#1f77b4", "#ff7f0e", "#d62728", "#2ca02c", "#777", "#7b3294"
+# one metric's chart, in pixels: the two curves above, their difference below, on the same steps
+WIDTH, LEFT, RIGHT = 380, 52, 10
+PLOT_W = WIDTH - LEFT - RIGHT
+CURVES_TOP, CURVES_H = 40, 128
+DIFF_TOP, DIFF_H = 204, 56
+HEIGHT = 280
+OVERVIEW_H = 200  # an overview chart: one plot, CURVES_TOP to OVERVIEW_H - 24
+
+
+def _steps(*series) -> tuple[float, float]:
+    """The steps a chart spans: every step any of `series` logs, half a step more at each end."""
+    steps = [s for x in series if x is not None for s in map(svg.finite, x.index) if s is not None]
+    return (min(steps) - 0.5, max(steps) + 0.5) if steps else (0.5, 1.5)
+
+
+def _title(chart: svg.Chart, text: str) -> None:
+    """Across the top, cut to the chart's width (about 7 px a character in 12 px bold)."""
+    chart.text(chart.width / 2, 15, text, size=12, weight=600, anchor="middle", limit=int((chart.width - 8) / 7))
+
+
+def _mark_divergence(first_div: dict | None, metric: str, plots: list[svg.Plot]) -> None:
+    """A red line at the first divergence through every plot of the metric where the sides part, and its step."""
+    step = svg.finite(first_div.get("step")) if first_div and first_div.get("metric") == metric else None
+    if step is None:
+        return
+    for plot in plots:
+        plot.vline(step, RED, cls="divergence")
+    top = plots[0]
+    right_half = top.x(step) > top.left + top.width / 2
+    top.chart.text(top.x(step) + (-4 if right_half else 4), top.top + 12, f"parts at step {step:g}", color=RED,
+                   anchor="end" if right_half else "start")
+
+
 def curves_figure(a, b, metrics, first_div=None, tolerance=None, names=("scratch", "trl"), rel_l2=None,
-                  spread=None, cols: int = 3, envelope=None, k_noise: float = 10.0) -> str | None:
-    """Per metric: both curves overlaid (or each side's seed spread), the difference below on its own scale with
-    the tolerance band around 0, and a red line at the first divergence. Only metrics with data are drawn.
+                  spread=None, envelope=None, k_noise: float = 10.0) -> Markup | None:
+    """One chart per metric with data (inline SVG): both curves overlaid (or each side's seed spread), the
+    difference below on its own scale with the tolerance band around 0, and a red line at the first divergence.
+    `param_rel_l2`: the distance between the two models' weights (`rel_l2`, per step) on a log axis.
     `envelope`: the noise twin's (calibrated tolerance): drawn in grey behind the difference, and the band is the
     larger of the static bound and k_noise times it."""
-    import matplotlib
-    import numpy as np
-    import pandas as pd
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams["text.parse_math"] = False  # titles are metric and run names, not TeX: a `$` stays a `$`
-    import matplotlib.pyplot as plt
-
-    panels = []
+    charts = []
     for m in metrics:
         if m == "param_rel_l2":
             if rel_l2:
-                panels.append((m, None, None))
+                charts.append(_weights_chart(rel_l2, first_div, tolerance, envelope, k_noise))
         elif _series(a, m) is not None or _series(b, m) is not None:
-            panels.append((m, _series(a, m), _series(b, m)))
-    if not panels:
-        return None
-    cols = min(cols, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows * 2, cols, figsize=(4.4 * cols, 3.5 * rows), squeeze=False,
-                             gridspec_kw={"height_ratios": [2, 1] * rows})
-    for i, (m, x, y) in enumerate(panels):
-        top, bottom = axes[(i // cols) * 2][i % cols], axes[(i // cols) * 2 + 1][i % cols]
-        if m == "param_rel_l2":
-            steps = list(range(1, len(rel_l2) + 1))
-            finite = sum(math.isfinite(v) for v in rel_l2)  # a user's loop: its final weights only, one point
-            top.plot(steps, [max(v, 1e-12) for v in rel_l2], color="#7b3294", lw=1.8, label="distance",
-                     marker="o" if finite < 3 else None)
-            top.set_xlim(0.5, len(rel_l2) + 0.5)
-            lim = (tolerance or {}).get("param_rel_l2", {}).get("max")
-            env = envelope.at(m, steps) if envelope is not None else None
-            if env is not None:
-                top.plot(steps, [max(v, 1e-12) for v in env], color="#888", lw=1.2, label="noise twin")
-                top.plot(steps, [max(lim or 0.0, k_noise * v, 1e-12) for v in env], color="#999", ls="--", lw=1,
-                         label=f"tolerance (max of floor, {k_noise:g}x noise)")
-            elif lim:
-                top.axhline(lim, color="#999", ls="--", lw=1, label="tolerance")
-            top.set_yscale("log")
-            top.legend(fontsize=8, loc="lower right")
-            bottom.axis("off")
-            title = "weights: relative L2 distance"
-        else:
-            if x is not None:
-                top.plot(x.index, x.values, color="#1f77b4", lw=1.8, label=names[0])
-            if y is not None:
-                top.plot(y.index, y.values, color="#ff7f0e", lw=1.4, ls="--", label=names[1])
-            if spread and m in spread:
-                for side, color in ((0, "#1f77b4"), (1, "#ff7f0e")):
-                    lo, hi = spread[m][side]
-                    top.fill_between(lo.index, lo.values, hi.values, color=color, alpha=0.15, lw=0)
-            if x is not None and y is not None:
-                d = (x - y).dropna()
-                bottom.plot(d.index, d.values, color="#333", lw=1.2)
-                bottom.axhline(0, color="#bbb", lw=0.8)
-                band = _band((tolerance or {}).get(m), y)
-                env = envelope.at(m, d.index, y.reindex(d.index).to_numpy()) if envelope is not None else None
-                if env is not None:
-                    env = pd.Series(env, index=d.index)
-                    bottom.fill_between(d.index, (-env).values, env.values, color="#777", alpha=0.35, lw=0,
-                                        label="noise twin")
-                    band = env * k_noise if band is None else np.maximum(band.reindex(d.index), env * k_noise)
-                if band is not None and not d.empty:
-                    band = band.reindex(d.index)
-                    bottom.fill_between(d.index, (-band).values, band.values, color="#2ca02c", alpha=0.15, lw=0,
-                                        label="tolerance")
-                    peak = float(d.abs().max())
-                    if peak > 0 and float(band.max()) > 5 * peak:  # the band would flatten the difference: zoom in
-                        bottom.set_ylim(-1.3 * peak, 1.3 * peak)
-                        bottom.text(0.99, 0.95, f"tolerance ±{float(band.max()):.2g} (beyond view)", fontsize=7,
-                                    ha="right", va="top", color="#2ca02c", transform=bottom.transAxes)
-                bottom.set_ylabel(f"{names[0]} − {names[1]}", fontsize=8)
-                _style_axis(bottom)
-            else:
-                bottom.text(0.5, 0.5, f"only in {names[0] if y is None else names[1]}", ha="center", va="center",
-                            fontsize=9, transform=bottom.transAxes)
-                bottom.set_xticks([])
-                bottom.set_yticks([])
-            title = m
-            if i == 0:
-                top.legend(fontsize=8)
-        if first_div and first_div.get("metric") == m:
-            for ax in (top, bottom):
-                ax.axvline(first_div["step"], color="#d62728", lw=1.2)
-            top.annotate(f"parts at step {first_div['step']}", (first_div["step"], 0.95),
-                         xycoords=("data", "axes fraction"), fontsize=8, color="#d62728", va="top", ha="left")
-        top.set_title(title, fontsize=10.5)
-        _style_axis(top)
-    for j in range(len(panels), rows * cols):
-        axes[(j // cols) * 2][j % cols].axis("off")
-        axes[(j // cols) * 2 + 1][j % cols].axis("off")
-    fig.subplots_adjust(left=0.7 / (4.4 * cols), right=0.98, top=1 - 0.35 / (3.5 * rows), bottom=0.25 / (3.5 * rows),
-                        hspace=0.5, wspace=0.3)
-    return _png(fig)
+            charts.append(_metric_chart(m, _series(a, m), _series(b, m), names, first_div, tolerance, spread,
+                                        envelope, k_noise))
+    return Markup("".join(charts)) if charts else None
 
 
-def overview_figure(cells: list[dict], tolerance_max: float | None = None) -> str | None:
-    """The first picture: per diverged cell, the metric where it parts (both sides, the step marked); and, in
-    lockstep, the distance between the two models' weights for every cell on one log axis."""
-    import matplotlib
+def _metric_chart(m, x, y, names, first_div, tolerance, spread, envelope, k_noise) -> str:
+    chart = svg.Chart(WIDTH, HEIGHT, f"{m}: {names[0]} and {names[1]}, and their difference")
+    _title(chart, m)
+    steps = _steps(x, y)
+    sides = [(s, color, dash, name) for s, color, dash, name in ((x, BLUE, False, names[0]), (y, ORANGE, True, names[1]))
+             if s is not None]
+    bands = list(zip(spread[m], (BLUE, ORANGE))) if spread and m in spread else []
+    values = [v for s, *_ in sides for v in s.values] + [v for (lo, hi), _ in bands for v in (*lo.values, *hi.values)]
+    top = chart.plot(LEFT, CURVES_TOP, PLOT_W, CURVES_H, steps, svg.limits(values))
+    top.axes()
+    for (lo, hi), color in bands:
+        top.band(lo.index, lo.values, hi.values, color, 0.15)
+    for s, color, dash, name in sides:
+        top.line(s.index, s.values, color, width=1.4 if dash else 1.8, dash=dash, name=name)
+    legend = [(name, color, "dash" if dash else "line") for _s, color, dash, name in sides]
+    legend += [("min–max over seeds", "#999", "band")] if bands else []
+    plots = [top]
+    if x is not None and y is not None:
+        bottom, entries = _difference_plot(chart, m, x, y, names, steps, tolerance, envelope, k_noise)
+        plots.append(bottom)
+        legend += entries
+    else:
+        chart.text(LEFT + PLOT_W / 2, DIFF_TOP + DIFF_H / 2, f"only in {names[0] if y is None else names[1]}",
+                   size=11, color="#555", anchor="middle", limit=int(PLOT_W / 6.4))
+    chart.legend(LEFT, 31, legend)
+    _mark_divergence(first_div, m, plots)
+    return chart.svg()
 
-    matplotlib.use("Agg")
-    matplotlib.rcParams["text.parse_math"] = False
-    import matplotlib.pyplot as plt
 
+def _difference_plot(chart, m, x, y, names, steps, tolerance, envelope, k_noise) -> tuple[svg.Plot, list]:
+    """x - y at every step both log, with the noise twin's envelope (grey) and the tolerance (green) around 0;
+    zoomed in on the difference when the band would flatten it. Returns the plot and its legend entries."""
+    import numpy as np
+    import pandas as pd
+
+    d = (x - y).dropna()
+    band = _band((tolerance or {}).get(m), y)
+    env = envelope.at(m, d.index, y.reindex(d.index).to_numpy()) if envelope is not None else None
+    if env is not None:
+        env = pd.Series(env, index=d.index)
+        band = env * k_noise if band is None else np.maximum(band.reindex(d.index), env * k_noise)
+    band = band.reindex(d.index) if band is not None and not d.empty else None
+    values = [0.0, *d.values]
+    for around in (env, band):
+        if around is not None:
+            values += [*around.values, *(-around).values]
+    ylim = svg.limits(values)
+    peak = float(d.abs().max()) if not d.empty else 0.0
+    widest = float(band.max()) if band is not None else 0.0
+    note = f"tolerance ±{widest:.2g} (beyond view)" if peak > 0 and widest > 5 * peak else ""
+    if note:  # the band would flatten the difference: zoom in
+        ylim = svg.limits([-1.25 * peak, 1.25 * peak])
+        chart.text(LEFT + PLOT_W, DIFF_TOP - 5, note, color=GREEN, anchor="end")
+    room = int((PLOT_W - (svg.CHAR_W * len(note) + 10 if note else 0)) / svg.CHAR_W)  # beside the note
+    chart.text(LEFT, DIFF_TOP - 5, f"{names[0]} − {names[1]}", color="#555", limit=max(room, 8))
+    plot = chart.plot(LEFT, DIFF_TOP, PLOT_W, DIFF_H, steps, ylim)
+    plot.axes(y_ticks=2)
+    legend = []
+    if env is not None:
+        plot.band(d.index, (-env).values, env.values, GREY, 0.35)
+        legend.append(("noise twin", GREY, "band"))
+    if band is not None:
+        plot.band(d.index, (-band).values, band.values, GREEN, 0.15)
+        legend.append(("tolerance", GREEN, "band"))
+    plot.hline(0.0, "#bbb")
+    plot.line(d.index, d.values, "#333", width=1.2, name="difference")
+    return plot, legend
+
+
+def _weights_chart(rel_l2, first_div, tolerance, envelope, k_noise) -> str:
+    """The relative L2 distance between the two models' weights per step, on a log axis, against its tolerance
+    (with a noise twin: the larger of the floor and k_noise times the twin's distance)."""
+    chart = svg.Chart(WIDTH, HEIGHT, "weights: relative L2 distance between the two models, per step")
+    _title(chart, "weights: relative L2 distance")
+    steps = list(range(1, len(rel_l2) + 1))
+    limit = (tolerance or {}).get("param_rel_l2", {}).get("max")
+    env = envelope.at("param_rel_l2", steps) if envelope is not None else None
+    lines = [([max(v, 1e-12) for v in rel_l2], PURPLE, False, "distance")]
+    if env is not None:
+        lines.append(([max(v, 1e-12) for v in env], "#888", False, "noise twin"))
+        lines.append(([max(limit or 0.0, k_noise * v, 1e-12) for v in env], "#999", True, "tolerance"))
+    values = [v for ys, *_ in lines for v in ys] + ([limit] if limit and env is None else [])
+    plot = chart.plot(LEFT, CURVES_TOP, PLOT_W, DIFF_TOP + DIFF_H - 14 - CURVES_TOP, (0.5, len(steps) + 0.5),
+                      svg.limits(values, log=True), log=True)
+    plot.axes()
+    legend = [(name, color, "dash" if dash else "line") for _ys, color, dash, name in lines]
+    if limit and env is None:
+        plot.hline(limit, "#999", dash=True, width=1)
+        legend.append(("tolerance", "#999", "dash"))
+    if env is not None:  # what the dashed line is, under the step axis
+        floor = f"{limit:.2g} and " if limit else ""
+        chart.text(LEFT, HEIGHT - 5, f"tolerance: the larger of {floor}{k_noise:g}× the noise twin", color="#555")
+    elif limit:
+        chart.text(LEFT, HEIGHT - 5, f"tolerance: {limit:.2g} (a fixed bound)", color="#555")
+    few = sum(svg.finite(v) is not None for v in rel_l2) < 3  # a user's loop: its final weights only, one point
+    for ys, color, dash, name in lines:
+        plot.line(steps, ys, color, width=1.8 if name == "distance" else 1.2, dash=dash, name=name,
+                  markers=few and name == "distance")
+    chart.legend(LEFT, 31, legend)
+    _mark_divergence(first_div, "param_rel_l2", [plot])
+    return chart.svg()
+
+
+def overview_figure(cells: list[dict], tolerance_max: float | None = None) -> Markup | None:
+    """The first picture: in lockstep, the distance between the two models' weights for every cell on one log
+    axis; and per diverged cell, the metric where it parts (both sides, the step marked)."""
     parted = [c for c in cells if c.get("first_divergence") and c.get("_frames")]
     dists = [c for c in cells if c.get("_rel_l2")]
-    n = len(parted) + (1 if dists else 0)
-    if not n:
-        return None
-    cols = min(3, n)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 2.6 * rows), squeeze=False)
-    flat = [ax for row in axes for ax in row]
-    k = 0
-    if dists:
-        ax = flat[0]
-        for c in dists:
-            steps = list(range(1, len(c["_rel_l2"]) + 1))
-            ok = not c.get("first_divergence")
-            ax.plot(steps, [max(v, 1e-12) for v in c["_rel_l2"]], lw=1.4 if ok else 1.0,
-                    color="#2ca02c" if ok else "#d62728", alpha=0.85)
-        if tolerance_max:
-            ax.axhline(tolerance_max, color="#999", ls="--", lw=1)
-        ax.set_yscale("log")
-        ax.set_title("weights apart (rel. L2): green parity, red parted", fontsize=10)
-        _style_axis(ax)
-        k = 1
-    for c in parted:
-        ax = flat[k]
-        k += 1
-        fd = c["first_divergence"]
-        a, b = c["_frames"]
-        names = c.get("sides") or ("scratch", "trl")
-        for df, color, ls, name in ((a, "#1f77b4", "-", names[0]), (b, "#ff7f0e", "--", names[1])):
-            s = _series(df, fd["metric"])
-            if s is not None:
-                ax.plot(s.index, s.values, color=color, ls=ls, lw=1.5, label=name)
-        ax.axvline(fd["step"], color="#d62728", lw=1.2)
-        ax.set_title(f"{c['name']}: {fd['metric']}", fontsize=10)
-        _style_axis(ax)
-        if c is parted[0]:
-            ax.legend(fontsize=8)
-    for ax in flat[k:]:
-        ax.axis("off")
-    fig.subplots_adjust(left=0.7 / (4.4 * cols), right=0.98, top=1 - 0.35 / (2.6 * rows), bottom=0.3 / (2.6 * rows),
-                        hspace=0.5, wspace=0.3)
-    return _png(fig)
+    charts = [_distances_chart(dists, tolerance_max)] if dists else []
+    charts += [_parted_chart(c) for c in parted]
+    return Markup("".join(charts)) if charts else None
+
+
+def _distances_chart(cells: list[dict], tolerance_max: float | None) -> str:
+    chart = svg.Chart(WIDTH, OVERVIEW_H, "weights apart (relative L2) per cell: green at parity, red parted")
+    _title(chart, "weights apart (rel. L2): green parity, red parted")
+    longest = max(len(c["_rel_l2"]) for c in cells)
+    values = [max(v, 1e-12) for c in cells for v in c["_rel_l2"]] + ([tolerance_max] if tolerance_max else [])
+    plot = chart.plot(LEFT, CURVES_TOP, PLOT_W, OVERVIEW_H - 24 - CURVES_TOP, (0.5, longest + 0.5),
+                      svg.limits(values, log=True), log=True)
+    plot.axes()
+    if tolerance_max:
+        plot.hline(tolerance_max, "#999", dash=True, width=1)
+    for c in cells:
+        ok = not c.get("first_divergence")
+        plot.line(range(1, len(c["_rel_l2"]) + 1), [max(v, 1e-12) for v in c["_rel_l2"]], GREEN if ok else RED,
+                  width=1.4 if ok else 1.0, name=c["name"])
+    chart.legend(LEFT, 31, [("parity", GREEN, "line"), ("parted", RED, "line")]
+                 + ([("tolerance", "#999", "dash")] if tolerance_max else []))
+    return chart.svg()
+
+
+def _parted_chart(cell: dict) -> str:
+    fd = cell["first_divergence"]
+    a, b = cell["_frames"]
+    names = cell.get("sides") or ("scratch", "trl")
+    chart = svg.Chart(WIDTH, OVERVIEW_H, f"{cell['name']}: {fd['metric']}, where the two sides part")
+    _title(chart, f"{cell['name']}: {fd['metric']}")
+    sides = [(s, color, dash, name) for s, color, dash, name in ((_series(a, fd["metric"]), BLUE, False, names[0]),
+                                                                (_series(b, fd["metric"]), ORANGE, True, names[1]))
+             if s is not None]
+    plot = chart.plot(LEFT, CURVES_TOP, PLOT_W, OVERVIEW_H - 24 - CURVES_TOP, _steps(*(s for s, *_ in sides)),
+                      svg.limits([v for s, *_ in sides for v in s.values]))
+    plot.axes()
+    for s, color, dash, name in sides:
+        plot.line(s.index, s.values, color, width=1.5, dash=dash, name=name)
+    chart.legend(LEFT, 31, [(name, color, "dash" if dash else "line") for _s, color, dash, name in sides])
+    _mark_divergence(fd, fd["metric"], [plot])
+    return chart.svg()
 
 
 # ---------------------------------------------------------------------------------------------
 # data gathering
 # ---------------------------------------------------------------------------------------------
 def _read(run_dir: Path):
+    """A run's metric log as a frame indexed by step, or None. Without its attrs: pandas deep-copies them into every
+    column taken out of the frame, and with the manifest in them that was a third of the report's time (`_manifest`
+    reads the manifest)."""
     import warnings
 
     from harness.runlog.log import METRICS_FILE, read_run
@@ -300,7 +332,15 @@ def _read(run_dir: Path):
             df = read_run(run_dir)
         except (OSError, ValueError):  # not a readable metric log (binary, say): the report shows the run without it
             return None
+    df.attrs.clear()
     return None if df.empty else df
+
+
+def _manifest(run_dir: Path, df) -> dict:
+    """The manifest of a run whose metric log could be read (`df`, from `_read`), else {}."""
+    from harness.runlog.log import MANIFEST_FILE
+
+    return _json_file(run_dir / MANIFEST_FILE, {}) if df is not None else {}
 
 
 def _json_file(path: Path, default):
@@ -471,6 +511,7 @@ def _differences(spec_dict: dict | None) -> list[dict]:
 def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> dict:
     """One cell's page section. Curves only for metrics that differ somewhere (`full`: all of them, else the key
     metrics), the rest named in words: identical on every step, constant, logged by one side only."""
+    from harness.diagnose import noise
     from harness.runlog.params import relative_l2
 
     cell_dir = Path(cell.get("dir", ""))
@@ -490,8 +531,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
     if rel is None and "param_rel_l2" in cell.get("metrics", {}):  # a user's loop: its final weights only
         m = cell["metrics"]["param_rel_l2"]
         rel = [math.nan] * (int(m.get("step_max_abs") or (len(a) if a is not None else 1)) - 1) + [m["max_abs"]]
-    manifest_a = (a.attrs.get("manifest") if a is not None else None) or {}
-    manifest_b = (b.attrs.get("manifest") if b is not None else None) or {}
+    manifest_a, manifest_b = _manifest(a_root, a), _manifest(b_root, b)
     mapping_path = b_root / "mapping.json"
     mapping = _json_file(mapping_path, [])
     fd = cell.get("first_divergence")
@@ -523,7 +563,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         img = curves_figure(a, b, shown[:MAX_PANELS], fd, tol_by_metric if mode == "lockstep" else None, rel_l2=rel,
                             spread=spread, names=sides, envelope=envelope, k_noise=k_noise)
         if img:
-            figures.append({"group": "metrics that differ", "img": img})
+            figures.append({"group": "metrics that differ", "svg": img})
     kinds["not_drawn"] = shown[MAX_PANELS:] + ([m for m in kinds["plot"] if m not in plot])
     kinds["timing"] = {side: {m: float(df[m].median()) for m in ("wall_s", "gen_s") if _series(df, m) is not None}
                        for side, df in zip(sides, (a, b)) if df is not None}
@@ -540,7 +580,8 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
         "samplers": sorted({str(m.get("sampler")) for m in (manifest_a, manifest_b) if m.get("sampler")}),
         "emulated": any("emulated" in str(m.get("sampler", "")) for m in (manifest_a, manifest_b)),
         "device": manifest_a.get("device"), "lockstep_note": mode == "lockstep", "kinds": kinds,
-        "_frames": (a, b), "_rel_l2": rel if rel and not any(math.isnan(v) for v in rel) else None,
+        "_frames": (a, b), "_dtype": manifest_a.get("spec", {}).get("DTYPE"),
+        "_rel_l2": rel if rel and not any(math.isnan(v) for v in rel) else None,
     }
 
 
@@ -562,8 +603,7 @@ def write_parity_report(out_dir: str | Path) -> Path:
             seen.add(c.get("expected_cause"))
     cells = [_cell_view(c, tolerances, doc.get("mode", "lockstep"), full=i in full) for i, c in enumerate(doc["cells"])]
     cols, matrix_rows = _matrix_view(doc["cells"])
-    dtype = next((c["_frames"][0].attrs.get("manifest", {}).get("spec", {}).get("DTYPE") for c in cells
-                  if c["_frames"][0] is not None), "float32")
+    dtype = next((c["_dtype"] for c in cells if c["_frames"][0] is not None), "float32")
     limit = tolerances.get("lockstep", {}).get(dtype or "float32", {}).get("param_rel_l2", {}).get("max")
     overview = overview_figure(cells, limit if doc.get("mode", "lockstep") == "lockstep" else None)
     html = _env().get_template("parity.html.j2").render(doc=doc, cells=cells, matrix_cols=[SHORT.get(c, c) for c in cols],
@@ -576,6 +616,95 @@ def write_parity_report(out_dir: str | Path) -> Path:
     except OSError:  # the folder above the run is not ours to write to: no index, the report stands
         pass
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the compare page's figures: still matplotlib PNGs inlined as base64 (tests/test_compare_files.py expects one)
+# ---------------------------------------------------------------------------------------------
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)  # no tight bbox: it re-draws every axis and costs most of the time
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _style_axis(ax) -> None:
+    """Integer steps, no offset or scientific shorthand on the value axis, labels a person can read."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    if ax.get_yscale() == "linear":  # log axes keep their decades
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=4))
+        ax.ticklabel_format(axis="y", useOffset=False)
+    ax.tick_params(labelsize=9)
+    ax.grid(alpha=0.25, lw=0.6)
+
+
+def curves_png(a, b, metrics, first_div=None, tolerance=None, names=("A", "B"), spread=None,
+               cols: int = 3) -> str | None:
+    """The compare page's curves (as the parity page drew them before its SVG figures, less what only a parity run
+    has: the weights' distance and the noise twin). Per metric: both curves overlaid (and each side's seed spread),
+    the difference below on its own scale with the tolerance band around 0, and a red line at the first divergence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # titles are metric and run names, not TeX: a `$` stays a `$`
+    import matplotlib.pyplot as plt
+
+    panels = [(m, _series(a, m), _series(b, m)) for m in metrics
+              if m != "param_rel_l2" and (_series(a, m) is not None or _series(b, m) is not None)]
+    if not panels:
+        return None
+    cols = min(cols, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows * 2, cols, figsize=(4.4 * cols, 3.5 * rows), squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1] * rows})
+    for i, (m, x, y) in enumerate(panels):
+        top, bottom = axes[(i // cols) * 2][i % cols], axes[(i // cols) * 2 + 1][i % cols]
+        if x is not None:
+            top.plot(x.index, x.values, color=BLUE, lw=1.8, label=names[0])
+        if y is not None:
+            top.plot(y.index, y.values, color=ORANGE, lw=1.4, ls="--", label=names[1])
+        for (lo, hi), color in zip(spread[m], (BLUE, ORANGE)) if spread and m in spread else ():
+            top.fill_between(lo.index, lo.values, hi.values, color=color, alpha=0.15, lw=0)
+        if x is not None and y is not None:
+            d = (x - y).dropna()
+            bottom.plot(d.index, d.values, color="#333", lw=1.2)
+            bottom.axhline(0, color="#bbb", lw=0.8)
+            band = _band((tolerance or {}).get(m), y)
+            if band is not None and not d.empty:
+                band = band.reindex(d.index)
+                bottom.fill_between(d.index, (-band).values, band.values, color=GREEN, alpha=0.15, lw=0,
+                                    label="tolerance")
+                peak = float(d.abs().max())
+                if peak > 0 and float(band.max()) > 5 * peak:  # the band would flatten the difference: zoom in
+                    bottom.set_ylim(-1.3 * peak, 1.3 * peak)
+                    bottom.text(0.99, 0.95, f"tolerance ±{float(band.max()):.2g} (beyond view)", fontsize=7,
+                                ha="right", va="top", color=GREEN, transform=bottom.transAxes)
+            bottom.set_ylabel(f"{names[0]} − {names[1]}", fontsize=8)
+            _style_axis(bottom)
+        else:
+            bottom.text(0.5, 0.5, f"only in {names[0] if y is None else names[1]}", ha="center", va="center",
+                        fontsize=9, transform=bottom.transAxes)
+            bottom.set_xticks([])
+            bottom.set_yticks([])
+        if i == 0:
+            top.legend(fontsize=8)
+        if first_div and first_div.get("metric") == m:
+            for ax in (top, bottom):
+                ax.axvline(first_div["step"], color=RED, lw=1.2)
+            top.annotate(f"parts at step {first_div['step']}", (first_div["step"], 0.95),
+                         xycoords=("data", "axes fraction"), fontsize=8, color=RED, va="top", ha="left")
+        top.set_title(m, fontsize=10.5)
+        _style_axis(top)
+    for j in range(len(panels), rows * cols):
+        axes[(j // cols) * 2][j % cols].axis("off")
+        axes[(j // cols) * 2 + 1][j % cols].axis("off")
+    fig.subplots_adjust(left=0.7 / (4.4 * cols), right=0.98, top=1 - 0.35 / (3.5 * rows), bottom=0.25 / (3.5 * rows),
+                        hspace=0.5, wspace=0.3)
+    return _png(fig)
 
 
 def write_compare_report(out_dir: str | Path, result: dict, frames=None) -> Path:
@@ -598,7 +727,7 @@ def write_compare_report(out_dir: str | Path, result: dict, frames=None) -> Path
         if group == "throughput and memory":
             continue
         bands = {m: tol.get(m, tol.get("default", {})) for m in metrics} if result["mode"] == "lockstep" else None
-        img = curves_figure(a, b, metrics, result.get("first_divergence"), bands, names=names, spread=spread)
+        img = curves_png(a, b, metrics, result.get("first_divergence"), bands, names=names, spread=spread)
         if img:
             figures.append({"group": group, "img": img})
     html = _env().get_template("compare.html.j2").render(result=result, figures=figures, names=names)

@@ -12,16 +12,29 @@ from harness.cli import main
 HOSTILE = ('<script>alert(1)</script>"><img src=x onerror=alert(2)></textarea><svg onload=alert(3)>'
            "\u202e\u2066javascript:alert(4)$\\frac{a}{")
 OWN_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "div", "p", "ul", "li", "table", "tr",
-            "th", "td", "a", "img", "span", "pre", "details", "summary", "b", "code", "br", "small", "i", "em"}
+            "th", "td", "a", "img", "span", "pre", "details", "summary", "b", "code", "br", "small", "i", "em",
+            # the inline SVG figures
+            "svg", "title", "text", "rect", "line", "polyline", "polygon", "circle"}
 
 
 class Tags(HTMLParser):
+    """The start tags with their attributes, and the texts of the figures' <text> and <title> elements."""
+
     def __init__(self):
         super().__init__()
-        self.found = []
+        self.found, self.chart_texts, self.open = [], [], []
 
     def handle_starttag(self, tag, attrs):
         self.found.append((tag, dict(attrs)))
+        self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.open:
+            del self.open[len(self.open) - 1 - self.open[::-1].index(tag):]
+
+    def handle_data(self, data):
+        if "svg" in self.open and self.open[-1] in ("text", "title"):
+            self.chart_texts.append(data)
 
 
 def assert_inert(html: str) -> None:
@@ -32,6 +45,7 @@ def assert_inert(html: str) -> None:
     for tag, attrs in parser.found:
         assert tag in OWN_TAGS, tag
         assert not [a for a in attrs if a.startswith("on")], (tag, attrs)
+        assert not [a for a in attrs if a.endswith("href")] or tag == "a", (tag, attrs)  # no link inside a figure
         if tag == "img":
             assert attrs["src"].startswith("data:image/png;base64,"), attrs
         if tag == "a":
@@ -46,9 +60,9 @@ def write_jsonl(path, rows):
 def hostile_parity_run(out):
     """A parity folder as a run writes it, every free-text field hostile."""
     cell_dir = out / "matched"
-    for side, loss in (("scratch", 0.5), ("trl", 0.7)):
+    for side, loss in (("scratch", 0.5), ("trl", 0.7)):  # the hostile metrics differ too: they get a curve
         write_jsonl(cell_dir / side / "metrics.jsonl", [{"step": s, "loss": loss * s, "reward": 0.1 * s,
-                                                         HOSTILE: float(s), f"rewards/{HOSTILE}/mean": 0.2 * s}
+                                                         HOSTILE: loss * s, f"rewards/{HOSTILE}/mean": loss * s}
                                                         for s in (1, 2, 3)])
         (cell_dir / side / "manifest.json").write_text(json.dumps({"side": side, "spec": {"NAME": HOSTILE},
                                                                    "sampler": HOSTILE, "device": HOSTILE}))
@@ -80,8 +94,37 @@ def test_the_parity_report_and_index_stay_inert(tmp_path):
     html = write_parity_report(tmp_path / "run").read_text()
     assert_inert(html)
     assert "&lt;script&gt;" in html  # shown as text, not dropped
+    assert html.count('<svg class="chart"') >= 3  # the hostile metrics drawn: their names escaped in the figures
+    parser = Tags()
+    parser.feed(html)
+    # read back as the text it was: escaped, not cut at a quote or a bracket, and no element of its own
+    assert any(t.startswith(HOSTILE[:40]) for t in parser.chart_texts), parser.chart_texts
+    assert any(HOSTILE in attrs.get("aria-label", "") for tag, attrs in parser.found if tag == "svg")
     assert len(html) < 2_000_000 and "chars cut)" in html  # 130 kB texts per completion, cut
     assert_inert(write_index(tmp_path).read_text())
+
+
+def test_chart_texts_and_attributes_are_escaped():
+    """Every place reports/svg.py puts a name: the title, a text, a legend entry, a series' data attribute, a
+    marker's class. Each reads back whole, as text."""
+    from reports import svg
+
+    chart = svg.Chart(300, 200, HOSTILE)
+    chart.text(10, 10, HOSTILE, limit=len(HOSTILE))
+    chart.legend(10, 30, [(HOSTILE, "#000", "line"), (HOSTILE, "#000", "band")])
+    plot = chart.plot(40, 40, 200, 100, (0.5, 3.5), (0.0, 1.0))
+    plot.axes()
+    plot.line([1, 2, 3], [0.1, 0.5, 0.9], "#000", name=HOSTILE)
+    plot.vline(2, "#f00", cls=HOSTILE)
+    html = chart.svg()
+    assert_inert(html)
+    parser = Tags()
+    parser.feed(html)
+    assert [t for t, _ in parser.found].count("svg") == 1
+    assert HOSTILE in parser.chart_texts and parser.chart_texts.count(HOSTILE) == 2  # the title and the text
+    assert [a["data-series"] for t, a in parser.found if t == "polyline"] == [HOSTILE]
+    assert [a["class"] for t, a in parser.found if t == "line" and "class" in a] == [HOSTILE]
+    assert parser.found[0][1]["aria-label"] == HOSTILE
 
 
 def test_the_compare_report_stays_inert(tmp_path, capsys):

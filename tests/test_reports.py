@@ -29,12 +29,13 @@ def parity_dir(tmp_path_factory):
 def test_report_is_self_contained_and_escaped(parity_dir):
     html = (parity_dir / "report.html").read_text()
     # the verdict comes first, before any picture
-    assert html.index('id="verdict"') < html.index("data:image/png")
+    assert html.index('id="verdict"') < html.index("<svg")
     assert "DIVERGED at step 1" in html and "as the preflight predicted: 1 of 1 cells as expected" in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "<script>alert(1)" not in html and "onerror=alert(2)>" not in html
     assert "http://" not in html and "https://" not in html  # no CDN, nothing fetched
-    assert 'id="overview"' in html and html.count("data:image/png;base64,") >= 2  # overview + the cell's curves
+    assert 'id="overview"' in html and html.count("<svg") >= 2  # overview + the cell's curves, inline SVG
+    assert "<img" not in html and "data:image" not in html
     assert "loss_type" in html and "confirmed" in html
     # the first words say what to change, before the cell table and any picture
     head = html[html.index('id="headline"'):html.index('id="cells"')]
@@ -53,6 +54,90 @@ def test_only_metrics_that_differ_get_a_curve():
                       "entropy": [2.0, 2.0, 2.5]}, index=[1, 2, 3])
     kinds = classify_metrics(a, b, ["loss", "reward", "epoch", "entropy", "kl", "absent"])
     assert kinds == {"plot": ["loss", "entropy"], "identical": ["reward"], "constant": ["epoch"], "one_sided": ["kl"]}
+
+
+def test_curves_follow_the_logged_values():
+    """Known answer for the coordinate mapping, on a hand-made frame: each side's polyline passes through its logged
+    values in step order (x linear in the step, y linear in the value, larger values higher up), the difference
+    below on its own scale, and the red divergence line at its step's x in both plots."""
+    import re
+
+    import pandas as pd
+
+    from reports.render import curves_figure
+
+    steps = [1, 2, 3, 4]
+    a = pd.DataFrame({"loss": [1.0, 2.0, 4.0, 3.0]}, index=steps)
+    b = pd.DataFrame({"loss": [1.0, 2.0, 5.0, 1.0]}, index=steps)
+    html = str(curves_figure(a, b, ["loss"], first_div={"step": 3, "metric": "loss"}))
+    assert html.count("<svg") == 1 and "parts at step 3" in html
+    lines = {name: [tuple(map(float, p.split(","))) for p in points.split()]
+             for name, points in re.findall(r'<polyline data-series="([^"]*)"[^>]* points="([^"]*)"', html)}
+    assert sorted(lines) == ["difference", "scratch", "trl"]
+
+    def linear(pairs):  # the map through the (value, pixel) pairs of the smallest and largest value
+        (v0, p0), (v1, p1) = min(pairs), max(pairs)
+        return lambda v: p0 + (v - v0) * (p1 - p0) / (v1 - v0)
+
+    x = linear([(s, px) for s, (px, _) in zip(steps, lines["scratch"])])
+    y = linear([(v, py) for v, (_, py) in zip(a["loss"], lines["scratch"])])
+    assert y(2.0) < y(1.0)  # up the page
+    for side, frame in (("scratch", a), ("trl", b)):
+        assert [px for px, _ in lines[side]] == pytest.approx([x(s) for s in steps], abs=0.15)
+        assert [py for _, py in lines[side]] == pytest.approx([y(v) for v in frame["loss"]], abs=0.15)
+    diff = [py for _, py in lines["difference"]]  # 0, 0, -1, 2 on the difference's own scale
+    zero = diff[0]
+    assert diff[1] == zero and diff[2] > zero > diff[3] and diff[3] - zero == pytest.approx(-2 * (diff[2] - zero), abs=0.2)
+    marks = [float(v) for v in re.findall(r'<line class="divergence" x1="([^"]*)"', html)]
+    assert marks == pytest.approx([x(3), x(3)], abs=0.15)
+
+
+def test_the_weights_chart_and_its_tolerance():
+    """The distance between the weights on a log axis (decades labelled 10⁻ⁿ), its tolerance drawn and said in
+    words; a user's loop that logs only its final weights gets one marked point."""
+    import math
+
+    from reports.render import curves_figure
+
+    html = str(curves_figure(None, None, ["param_rel_l2"], tolerance={"param_rel_l2": {"max": 1e-5}},
+                             rel_l2=[1e-7, 1e-6, 1e-4, 1e-3]))
+    assert html.count("<svg") == 1 and "10⁻⁵" in html and "10⁻³" in html
+    assert "tolerance: 1e-05 (a fixed bound)" in html and 'stroke-dasharray="5 3"' in html
+    one = str(curves_figure(None, None, ["param_rel_l2"], rel_l2=[math.nan, math.nan, 2e-3]))
+    assert one.count("<circle") == 1
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 1e-14), (-1e-13, 1e-13), (1e-6 - 1e-10, 1e-6 + 1e-10), (0.5, 30.5),
+                                    (-3e6, 4e6), (5, 5), (1.0000001, 1.0000002)])
+def test_tick_labels_for_any_range(lo, hi):
+    """A float32 difference of 1e-14 or a learning rate that moves in its fifth digit: ticks inside the axis, each
+    labelled, no two labels alike."""
+    from reports import svg
+
+    axis = svg.limits([lo, hi])
+    values = svg.ticks(*axis, count=4)
+    labels = svg.tick_labels(values)
+    assert len(values) >= 2 and all(axis[0] <= v <= axis[1] for v in values)
+    assert len(set(labels)) == len(labels) and all(labels), labels
+
+
+def test_curves_of_extreme_values():
+    """Values near the float limits, inf, NaN and subnormals: drawn (beyond ±1e300 on the edge), no coordinate
+    that is not a number."""
+    import math
+    import re
+
+    import pandas as pd
+
+    from reports.render import curves_figure
+
+    a = pd.DataFrame({"loss": [1e308, -1e308, math.inf, 1.0], "kl": [1e-320, 0.0, 5e-324, 1e-321]}, index=[1, 2, 3, 4])
+    b = pd.DataFrame({"loss": [-1e308, 1e308, 0.0, math.nan], "kl": [0.0] * 4}, index=[1, 2, 3, 4])
+    html = str(curves_figure(a, b, ["loss", "kl", "param_rel_l2"], tolerance={"loss": {"atol": 1e-5}},
+                             rel_l2=[math.inf, math.nan, 1e-320, 1e308]))
+    assert html.count("<svg") == 3
+    numbers = re.findall(r'(?:points|x|y|x1|y1|x2|y2|cx|cy)="([^"]*)"', html)
+    assert numbers and not [n for n in numbers if re.search(r"nan|inf", n)]
 
 
 def test_index_for_several_runs(parity_dir, tmp_path):
@@ -88,6 +173,8 @@ def test_report_in_a_real_browser(parity_dir, tmp_path):
         page.goto((parity_dir / "report.html").as_uri())
         page.wait_for_load_state("load")
         images = page.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        charts = page.evaluate("Array.from(document.querySelectorAll('svg.chart')).map(s => [s.getBoundingClientRect()"
+                               ".width, s.getBoundingClientRect().height, s.querySelectorAll('polyline').length])")
         verdict = page.inner_text("#verdict")
         page.locator("details").first.evaluate("d => d.open = true")
         body_text = page.inner_text("body")
@@ -95,7 +182,8 @@ def test_report_in_a_real_browser(parity_dir, tmp_path):
         page.screenshot(path=str(shot), full_page=False)
         browser.close()
     assert errors == [] and dialogs == []
-    assert images and all(done and w > 0 and h > 0 for done, w, h in images)
+    assert all(done and w > 0 and h > 0 for done, w, h in images)
+    assert charts and all(w > 100 and h > 100 and lines > 0 for w, h, lines in charts), charts  # drawn, not empty
     assert "cells as expected" in verdict
     assert EVIL in body_text  # shown as text
     assert [u for u in requests if not u.startswith(("file:", "data:"))] == []
