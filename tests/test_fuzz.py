@@ -413,7 +413,7 @@ def _base_verdict() -> dict:
 
 BASE_VERDICT = _base_verdict()
 VERDICT_PATHS = [(k,) for k in BASE_VERDICT] + [("cells", 0, k) for k in BASE_VERDICT["cells"][0]] + \
-    [("cells", 0, k) for k in ("cannot_show", "updates", "tolerance", "error", "traceback")] + \
+    [("cells", 0, k) for k in ("cannot_show", "precision", "updates", "tolerance", "error", "traceback")] + \
     [("base_spec", k) for k in ("STEPS", "NAME", "LOSS_NORM", "trl", "model", "rewards")] + [("cells", 0), ("cells", 1)]
 
 

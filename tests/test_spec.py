@@ -51,7 +51,7 @@ def test_paths_in_a_spec_are_relative_to_its_folder_and_set_paths_to_the_cwd(tmp
     ("rewards.functions=[\"correctness\", \"nope\"]", "rewards.functions[1]", "unknown reward"),
     ("rewards.weights=[1.0]", "rewards.weights", "one weight per function"),
     ("IS_CORRECTION=true", "IS_CORRECTION", "separate sampler"),
-    ("DTYPE=\"bfloat16\"", "DTYPE", "for GPUs"),
+    ("DTYPE=\"float16\"", "DTYPE", "must be one of"),  # bfloat16 runs on a CPU too (slowly): test_precision.py
     ("model.source=\"local\"", "model.path", "required"),
     ("data.operations=[\"/\"]", "data.operations[0]", "must be one of"),
     ("model=3", "model", "must be a table"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from harness.diagnose.backends import WorkerDied
 from harness.diagnose.preflight import CHECK_ORDER, alignment_for, apply_alignment, fix_for, preflight
+from harness.diagnose.showable import AGREE_WITHIN
 
 _SAMPLING_ONLY = "in lockstep TRL does not sample (the shared sampler does): sampling settings act only in free runs"
 _CLIP_ONLY = ("clipping binds only where the policy ratio leaves 1: NUM_ITERATIONS > 1, or an IS sampler; with one "
@@ -78,7 +79,7 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     checks.sort(key=lambda c: rank.get(c, len(rank)))
     fields = {c: sorted({f for d in diffs if d.check == c for f in d.fields}) for c in checks}
     if result["first_divergence"] is None:
-        why = (lambda c: NO_EFFECT_WHY.get(c, "the preflight lists it, but the runs agree within tolerance")) \
+        why = (lambda c: NO_EFFECT_WHY.get(c, AGREE_WITHIN)) \
             if mode == "lockstep" else (lambda c: FREE_NO_EFFECT)
         return [{"cause": c, "status": "no measured effect", "evidence": why(c), "fields": fields[c]} for c in checks]
     if not checks:

@@ -19,11 +19,12 @@ import traceback
 from pathlib import Path
 
 from harness.diagnose.attribution import attribute, own_pair, reset_cache
-from harness.diagnose.backends import InProcess, make_backend
+from harness.diagnose.backends import InProcess, WorkerDied, make_backend
 from harness.diagnose.explain import toml_value
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
-from harness.diagnose.showable import lost_updates_warning, update_summary, why_no_effect
+from harness.diagnose import precision
+from harness.diagnose.showable import exact_reason, lost_updates_warning, update_summary, why_no_effect
 from loop_runner.run import LoopError
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
 
@@ -171,7 +172,18 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         if lost:
             v["notes"].append(lost)
         if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
-            why = why_no_effect(cell.expected_cause, result, cell_dir, cell.spec, details, v["updates"])
+            why = exact_reason(cell.expected_cause, cell_dir, details)
+            if why is None and precision.wants_float32(cell, mode):  # or only bf16's rounding hid it
+                try:
+                    v["precision"] = precision.escalate(cell, result, cell_dir, mode, progress, log, store, backend)
+                    why = v["precision"]["words"]
+                except WorkerDied:  # not a result: the cell fails and --resume runs it again
+                    raise
+                except Exception as e:  # the bf16 cell stands; the float32 pair's failure is said
+                    v["precision"] = {"error": f"{type(e).__name__}: {e}"}
+                    log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
+            if why is None:
+                why = why_no_effect(cell.expected_cause, result, cell_dir, cell.spec, details, v["updates"])
             if why:
                 v["cannot_show"] = why
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
@@ -320,7 +332,18 @@ def _finished(c, cells: dict) -> bool:
             and isinstance(c.get("updates", {}), dict) and all(
                 isinstance(u, dict) and _number(u.get("unchanged")) and _number(u.get("median_rel"))
                 for u in c.get("updates", {}).values())
-            and all(isinstance(c.get(k, {}), dict) for k in ("toggles", "only_in", "tolerance")))
+            and all(isinstance(c.get(k, {}), dict) for k in ("toggles", "only_in", "tolerance", "precision"))
+            and _precision_ok(c.get("precision")))
+
+
+def _precision_ok(p) -> bool:
+    """The float32 pair's entry (precision.escalate), as the verdict and the report read it."""
+    fd = (p or {}).get("first_divergence")
+    return (p is None or (isinstance(p.get("words", ""), str) and isinstance(p.get("dtype", ""), str)
+                          and (fd is None or (isinstance(fd, dict) and _number(fd.get("step"))
+                                              and isinstance(fd.get("metric"), str)))
+                          and isinstance(p.get("attribution_detail", []), list)
+                          and all(_detail_ok(d) for d in p.get("attribution_detail", []))))
 
 
 def _detail_ok(d) -> bool:
@@ -397,10 +420,19 @@ def share_words(entry: dict) -> str | None:
     return None
 
 
+def _shown_in_float32(v: dict) -> bool:
+    """A cell whose difference hid in bf16 and showed in the float32 pair (precision.escalate)."""
+    return bool((v.get("precision") or {}).get("first_divergence"))
+
+
+def _no_effect_label(v: dict) -> str:
+    return "shows in float32 only" if _shown_in_float32(v) else "cannot show here"
+
+
 def _cell_line(v: dict) -> str:
     mark = "ok " if v["ok"] else "BAD"
     if v.get("cannot_show"):
-        return f"n/a cannot show here: {v['cannot_show']}"
+        return f"n/a {_no_effect_label(v)}: {v['cannot_show']}"
     if v["verdict"] in ("failed", "error"):
         return f"{mark} {v['verdict']}: {v['error']}"
     fd = v.get("first_divergence")
@@ -421,13 +453,22 @@ def format_verdict(doc: dict) -> str:
         fd = v.get("first_divergence")
         fd_s = f"step {fd['step']} {fd['metric']}" if fd else "-"
         cause = v["error"][:60] if v["verdict"] in ("failed", "error") else \
-            "cannot show here (see below)" if v.get("cannot_show") else (_cause(v) or "-")
+            f"{_no_effect_label(v)} (see below)" if v.get("cannot_show") else (_cause(v) or "-")
         lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
                      + ("" if v["ok"] else "   <- not as expected"))
     head = headline(doc)
     lines += ["", textwrap.fill(head["sentence"], 110)]
     lines += [textwrap.fill(item, 110, initial_indent="  - ", subsequent_indent="    ") for item in head["items"]]
     return "\n".join(lines)
+
+
+def _cause_of_no_effect(cell: dict) -> str:
+    """The differences a cell with no measured effect lists, in words: "Adam beta2 (TRL 0.9, ...)" where the
+    attribution has a fix sentence, else the check's name."""
+    detail = (cell.get("precision") or {}).get("attribution_detail") or cell.get("attribution_detail") or []
+    named = [(d.get("fix") or {}).get("sentence") or d["cause"] for d in detail
+             if d.get("cause") not in (None, "unexplained")]
+    return "; ".join(dict.fromkeys(named)) or cell.get("expected_cause") or cell["name"]
 
 
 def _fix_sentences(cell: dict) -> list[str]:
@@ -473,6 +514,11 @@ def headline(doc: dict) -> dict:
         if not fd:
             within = ("within the seed-to-seed noise (free mode)" if doc.get("mode") == "free"
                       else "on every step within tolerance (lockstep mode)")
+            if c.get("cannot_show"):  # what the table's "see below" points at
+                items.append(f"{_capital(_cause_of_no_effect(c))}. {_capital(c['cannot_show'])}.")
+                if _shown_in_float32(c):
+                    within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
+                              "pair in float32 parts")
             if c.get("defined_differently"):
                 from harness.diagnose.explain import defined_differently_words
 
@@ -520,7 +566,7 @@ def headline(doc: dict) -> dict:
             sentence = (f"The two loops agree when set up alike ({n_par} cells at parity); {len(mute)} toggle(s) cannot "
                         "show at this configuration (why, below); each other toggled check made them part, and a "
                         "re-run with only it aligned confirmed the cause:")
-            items += [f"{c['name']}: cannot show here: {c['cannot_show']}." for c in mute]
+            items += [f"{c['name']}: {_no_effect_label(c)}: {c['cannot_show']}." for c in mute]
         for c in cells:
             if c.get("first_divergence"):
                 why = _fix_sentence(c)

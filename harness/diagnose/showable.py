@@ -20,6 +20,7 @@ import numpy as np
 
 LOST_UPDATES_WARN = 0.5  # above this fraction of unchanged coordinates per step, bf16 weights barely train
 IS_RATIO_METRICS = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+AGREE_WITHIN = "the preflight lists it, but the runs agree within tolerance"  # the attribution's, when it knows no more
 
 
 def completion_lengths(rollouts_file: Path) -> list[list[int]]:
@@ -78,17 +79,17 @@ def lost_updates_warning(spec, summary: dict) -> str | None:
             "(MASTER_WEIGHTS = \"float32\", TRL's bf16=True on a float32-loaded model)")
 
 
-def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None,
-                  updates: dict | None = None) -> str | None:
-    """The reason a toggle of `cause` could not show at this configuration, or None when the harness cannot tell.
-    `details`: the attribution's; its own evidence for a difference with no measured effect comes first.
-    `updates`: the cell's `update_summary`, when the caller has it (else read from the sketches)."""
-    said = [d.get("evidence") for d in details or [] if d.get("status") == "no measured effect" and d.get("evidence")]
-    if said:
-        return said[0]
+def exact_reason(cause: str | None, cell_dir: Path, details=None) -> str | None:
+    """A reason the toggle cannot act at this configuration at all, whatever the precision: the attribution's own
+    (sampling settings in lockstep, clip bounds at a ratio of 1, ...), equal completion lengths for a loss_type, an
+    IS ratio of exactly 1. None when there is none (the effect may only be small: see `why_no_effect`)."""
     from harness.diagnose.compare import load_any_run
     from harness.rollouts.lockstep import ROLLOUTS_FILE
 
+    said = [d.get("evidence") for d in details or [] if d.get("status") == "no measured effect"
+            and d.get("evidence") and d["evidence"] != AGREE_WITHIN]
+    if said:
+        return said[0]
     cell_dir = Path(cell_dir)
     if cause == "loss_type":
         length = equal_lengths(completion_lengths(cell_dir / ROLLOUTS_FILE))
@@ -101,6 +102,18 @@ def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, de
             return ("the IS ratio is exactly 1 at every step (sampler and trainer log-probs agree), so the correction "
                     "multiplies by 1; it shows only with a sampler whose log-probs differ (vLLM, or sampler.kind = "
                     "\"emulated\")")
+    return None
+
+
+def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None,
+                  updates: dict | None = None) -> str | None:
+    """The reason a toggle of `cause` could not show at this configuration, or None when the harness cannot tell:
+    an exact reason first (`exact_reason`), then bf16 weights that lost most updates, then the run's noise floor.
+    `details`: the attribution's. `updates`: the cell's `update_summary`, when the caller has it (else read from
+    the sketches)."""
+    exact = exact_reason(cause, cell_dir, details)
+    if exact:
+        return exact
     if updates is None and spec is not None:
         updates = update_summary(cell_dir)
     lost = lost_updates_warning(spec, updates) if spec is not None else None
@@ -112,4 +125,6 @@ def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, de
         return (f"its effect, if any, is below this run's floating-point noise: the smallest weight difference the run "
                 f"could have shown is {smallest:.2g} (relative L2; {result.get('k_noise', 10.0):g}x the noise twin's); "
                 "more steps or a larger learning rate would show a larger effect")
+    if any(d.get("evidence") == AGREE_WITHIN for d in details or []):
+        return AGREE_WITHIN
     return None

@@ -1,0 +1,166 @@
+"""A difference that shows no effect in bf16: the same pair again in float32 before "cannot show here".
+
+In bf16 each side rounds its own way, and the calibrated tolerance (k times the noise twin's difference) is wide
+enough to hide a small setting: Adam's beta2 0.9 against 0.98, a learning rate 2% apart, weight decay 0.01 at a
+small learning rate. So before a cell says it cannot show a difference the preflight lists, `escalate` runs the
+same pair in float32 (fp32 weights and arithmetic; torch leaves TF32 off unless asked, and nothing here asks) on
+the same device, at least `MIN_STEPS` steps (the loss shape acts at step 1, the first update at step 2, Adam's
+betas at step 3). Where the float32 pair parts, the attribution confirms the cause by a float32 re-run with it
+aligned: "shows in float32 at step N on METRIC; in bfloat16 the sides' own rounding hides it". Where it does not:
+"no effect even in float32 over N steps", with the reason when the harness knows one.
+
+Detection power (`steps_to_show`): after how many steps the difference would leave a bound. The effect is the
+float32 pair's relative L2 distance between the two sides' weights per step (the difference itself, free of bf16
+rounding); the bound is the weights' bound of the run in question per step (the larger of the floor and k times
+its noise twin's distance). Each is fitted as c * step^p over the last half of the steps (least squares in log-log),
+and the estimate is the step where the two fits cross. None when the bound grows at least as fast as the effect:
+running longer at that precision would not show it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+MIN_STEPS = 3  # Adam's betas change nothing before the second update (step 3)
+FLOAT32 = {"DTYPE": "float32", "MASTER_WEIGHTS": "float32"}
+HORIZON = 10 ** 6  # past this many steps an estimate is "not within reach"
+FOLDER = "float32"
+
+
+def wants_float32(cell, mode: str) -> bool:
+    """Whether a cell's no-effect is worth a float32 pair: a bf16 pair of the two built-in sides, in lockstep (free
+    runs compare seeds, whose spread hides more than rounding does)."""
+    return mode == "lockstep" and cell.spec.DTYPE != "float32" and tuple(cell.sides) == ("scratch", "trl")
+
+
+# ---------------------------------------------------------------------------------------------
+# detection power
+# ---------------------------------------------------------------------------------------------
+def power_fit(values) -> tuple[float, float, int] | None:
+    """(log c, p, the first step fitted) with values[i] ~ c * (i + 1)^p, fitted in log-log over the last half of the
+    steps whose value is positive and finite (all of them when there are fewer than 4); None with fewer than 2."""
+    pts = [(i + 1, float(v)) for i, v in enumerate(values) if v is not None and math.isfinite(v) and v > 0]
+    if len(pts) >= 4:
+        pts = pts[len(pts) // 2:]
+    if len(pts) < 2:
+        return None
+    x, y = np.log([s for s, _ in pts]), np.log([v for _, v in pts])
+    p, log_c = np.polyfit(x, y, 1)
+    return float(log_c), float(p), pts[0][0]
+
+
+def steps_to_show(effect, bound) -> dict:
+    """When `effect` (per step) would first exceed `bound` (per step, or one number). {"step": the first step it is
+    already beyond the bound, or the fitted crossing (None: not within HORIZON steps, or the bound grows as fast),
+    "seen": whether it is beyond within the steps run, "effect_p" and "bound_p": the fitted powers, "fitted_from":
+    the first step of the fit, "as_fast": whether the bound grows at least as fast as the effect}."""
+    effect = [float(v) for v in effect]
+    bound = np.broadcast_to(np.asarray(bound, dtype=float), (len(effect),)).tolist()
+    over = [i + 1 for i, (e, b) in enumerate(zip(effect, bound)) if math.isfinite(e) and e > b]
+    out = {"step": over[0] if over else None, "seen": bool(over), "effect_p": None, "bound_p": None,
+           "fitted_from": None, "as_fast": None}
+    if over:
+        return out
+    fe, fb = power_fit(effect), power_fit(bound)
+    if fe is None or fb is None:
+        return out
+    (ce, pe, first), (cb, pb, _) = fe, fb
+    out.update(effect_p=round(pe, 2), bound_p=round(pb, 2), fitted_from=first, as_fast=pe <= pb)
+    if pe <= pb:
+        return out
+    log_step = (cb - ce) / (pe - pb)
+    if log_step < math.log(HORIZON):
+        out["step"] = max(len(effect) + 1, math.ceil(math.exp(log_step)))
+    return out
+
+
+def estimate_words(est: dict, dtype: str) -> str:
+    if est["seen"]:
+        return f"its float32 effect is already beyond the {dtype} bound at step {est['step']}"
+    if est["effect_p"] is None:
+        return "the float32 effect on the weights is too small or too short to say after how many steps it would show"
+    how = (f"the float32 effect on the weights grew as step^{est['effect_p']:g} and the {dtype} bound on them as "
+           f"step^{est['bound_p']:g} from step {est['fitted_from']} on")
+    if est["step"] is None:
+        if est["as_fast"]:
+            return f"running longer in {dtype} would not show it on the weights: {how}"
+        return f"{how}: at that pace it would show in {dtype} only after more than {HORIZON:,} steps"
+    return (f"{how}: at that pace it would leave the {dtype} bound after about {est['step']} steps (an extrapolation; "
+            "another metric may part sooner)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the float32 pair
+# ---------------------------------------------------------------------------------------------
+def weights_bound(cell_dir: Path, mode: str, dtype: str, k: float, steps: int) -> np.ndarray:
+    """The bound a pair in `cell_dir` held the weights' distance to, per step: its noise twin's (calibrated), else
+    the static one."""
+    from harness.diagnose import noise
+    from harness.diagnose.compare import load_tolerances, param_limit
+
+    env = noise.load(cell_dir)
+    limit = param_limit(load_tolerances(), mode, dtype, calibrated=env is not None)
+    at = env.at("param_rel_l2", range(1, steps + 1)) if env is not None else None
+    return np.broadcast_to(np.asarray(noise.bound(limit, at, k), dtype=float), (steps,)).copy()
+
+
+def escalate(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None) -> dict:
+    """The cell's pair again in float32 into cell_dir/float32, attributed there; what it found, in words too."""
+    from harness.diagnose.attribution import attribute, own_pair
+    from harness.diagnose.backends import InProcess
+    from harness.diagnose.preflight import apply_alignment
+    from harness.runlog.params import relative_l2
+
+    backend = backend or InProcess()
+    dtype, steps = cell.spec.DTYPE, max(cell.spec.STEPS, MIN_STEPS)
+    spec32 = apply_alignment(cell.spec, {"set": {**FLOAT32, "STEPS": steps}})
+    folder = Path(cell_dir) / FOLDER
+    log(f"    {cell.name}: no effect in {dtype}; the same pair in float32 ({steps} steps) before saying it cannot show")
+    result32 = own_pair(spec32, mode, lambda: backend.run_pair(spec32, folder, mode, progress, store=store))
+    details = attribute(dataclasses.replace(cell, spec=spec32), result32, folder, mode, progress, log, store, backend)
+    effect = relative_l2(folder / "scratch", folder / "trl") or []
+    k = result.get("k_noise") or 10.0
+    out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": result32["first_divergence"],
+           "attribution_detail": details, "effect": [float(e) for e in effect],
+           "confirmed": [d["cause"] for d in details if d.get("status") == "confirmed"]}
+    if not effect:
+        out["words"] = _words(out, None, None)
+        return out
+    low = weights_bound(cell_dir, mode, dtype, k, min(len(effect), cell.spec.STEPS))
+    out["bound"] = low.tolist()
+    out["estimate"] = steps_to_show(effect[:len(low)], low)
+    high = None
+    if result32["first_divergence"] is None:  # how far float32 itself is from showing it
+        high = steps_to_show(effect, weights_bound(folder, mode, "float32", result32.get("k_noise") or k, len(effect)))
+        out["estimate_float32"] = high
+    out["words"] = _words(out, out["estimate"], high)
+    return out
+
+
+def _words(found: dict, est: dict | None, est32: dict | None) -> str:
+    dtype, fd = found["dtype"], found["first_divergence"]
+    if fd is not None:
+        who = " + ".join(found["confirmed"])
+        text = (f"shows in float32 at step {fd['step']} on {fd['metric']}"
+                + (f" ({who}, confirmed by a float32 re-run with it aligned)" if who else
+                   ", but no float32 re-run with a difference aligned brings the sides back together")
+                + f"; in {dtype} the sides' own rounding hides it")
+    else:
+        last = found["effect"][-1] if found["effect"] else None
+        text = f"no effect even in float32 over {found['steps']} steps" + (
+            f" (the weights end {last:.2g} apart, relative L2)" if last is not None else "")
+        why = [d.get("evidence") for d in found["attribution_detail"] if d.get("evidence")]
+        from harness.diagnose.showable import AGREE_WITHIN
+
+        why = [w for w in why if w != AGREE_WITHIN]
+        if why:
+            text += f": {why[0]}"
+        if est32 is not None and est32["step"] is not None:
+            text += f"; in float32 it would show after about {est32['step']} steps"
+    if est is not None:
+        text += f"; {estimate_words(est, dtype)}"
+    return text
