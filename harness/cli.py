@@ -142,23 +142,49 @@ def cmd_run(args) -> int:
         from scratch_grpo.train import train as run_side
 
         def train(spec, out, progress):
-            return run_side(spec, out, rollout_source=replay, progress=progress)
+            return run_side(spec, out, rollout_source=replay, progress=progress, tensor_steps=args.tensor_steps)
     elif spec.PROCESSES > 1:  # torchrun (CPU) or accelerate launch (GPUs), one process each
         from trl_runner.launch import train_processes
 
         def train(spec, out, progress):
-            return train_processes(spec, out, args.rollouts, progress)
+            return train_processes(spec, out, args.rollouts, progress, tensor_steps=args.tensor_steps)
     else:
         from trl_runner.runner import train as run_side
 
         def train(spec, out, progress):
-            return run_side(spec, out, rollout_source=replay, progress=progress, lockstep=replay is not None)
+            return run_side(spec, out, rollout_source=replay, progress=progress, lockstep=replay is not None,
+                            tensor_steps=args.tensor_steps)
     from harness.runlog.stops import graceful_stop
 
     with graceful_stop():
         train(spec, out, progress=not args.quiet)
     print(f"{args.side}: {spec.STEPS} steps in {time.perf_counter() - t0:.1f} s -> {out / 'metrics.jsonl'}")
     return 0
+
+
+def cmd_tensordiff(args) -> int:
+    """Two run folders' tensors (tensors.jsonl: `run --tensor-steps`, or your loop's parity.tensors) on the same
+    rollouts, compared link by link along the step's dataflow: the first that differs, where and how."""
+    from harness.diagnose.tensordiff import diff_runs, words
+    from harness.rollouts.lockstep import ReplaySource
+    from harness.runlog.tensors import TENSORS_FILE
+
+    spec = _load(args)
+    for run in (args.run_a, args.run_b):
+        if not (Path(run) / TENSORS_FILE).exists():
+            raise InputError(f"{run}: no {TENSORS_FILE} (run it with --tensor-steps N)")
+    try:
+        records = ReplaySource.from_file(args.rollouts).records
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"--rollouts {args.rollouts}: cannot read it ({type(e).__name__}: {e})") from None
+    found = diff_runs(spec, args.run_a, args.run_b, records)
+    if found is None:
+        print("no tensor both runs saved at a common step")
+        return 2
+    for link in found["chain"]:
+        print(f"  {link['tensor']:<15} {link['status']}" + (f": {link['how']}" if link.get("how") else ""))
+    print(words(found) or f"every tensor both saved agrees at steps {found['steps']}")
+    return 0 if found["first"] is None else 1
 
 
 def check_backend(args) -> None:
@@ -436,7 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rollouts", metavar="FILE", help="train on these recorded lockstep rollouts (a parity cell's "
                                                       "rollouts.jsonl) instead of sampling")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--tensor-steps", type=int, default=0, metavar="N",
+                   help="save the first N steps' tensors along the dataflow (tensors.jsonl; TRL's read from inside "
+                        "GRPOTrainer) for `tensordiff`")
     r.set_defaults(func=cmd_run)
+
+    td = sub.add_parser("tensordiff", help="compare two runs' saved tensors (run --tensor-steps) link by link: the "
+                                           "first that differs, where and how (exit 0 none, 1 one differs)")
+    td.add_argument("run_a", help="a run folder with tensors.jsonl (its tensors are explained)")
+    td.add_argument("run_b", help="the reference run folder; --spec is its spec")
+    td.add_argument("--spec", required=True, help="the reference run's spec (TOML)")
+    td.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    td.add_argument("--rollouts", required=True, metavar="FILE", help="the rollouts.jsonl both runs replayed")
+    td.set_defaults(func=cmd_tensordiff)
 
     pa = sub.add_parser("parity", help="run the toggle matrix (both loops per cell), compare, name causes")
     pa.add_argument("--spec", help="experiment spec (TOML), e.g. harness/specs/default.toml")

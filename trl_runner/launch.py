@@ -25,10 +25,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(spec, spec_json: Path, out_dir: Path, rollouts: Path | None) -> list[str]:
+def launch_command(spec, spec_json: Path, out_dir: Path, rollouts: Path | None, tensor_steps: int = 0) -> list[str]:
     worker = ["-m", "trl_runner.launch", "--spec-json", str(spec_json), "--out", str(out_dir)]
     if rollouts is not None:
         worker += ["--rollouts", str(rollouts)]
+    if tensor_steps:
+        worker += ["--tensor-steps", str(tensor_steps)]
     if spec.DEVICE == "cpu":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec.PROCESSES),
                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *worker]
@@ -36,13 +38,13 @@ def launch_command(spec, spec_json: Path, out_dir: Path, rollouts: Path | None) 
             "--main_process_port", str(_free_port()), *worker]
 
 
-def train_processes(spec, out_dir, rollouts: str | Path | None = None, progress: bool = False):
+def train_processes(spec, out_dir, rollouts: str | Path | None = None, progress: bool = False, tensor_steps: int = 0):
     """Run the TRL side on spec.PROCESSES processes; raises RuntimeError with the output's tail on failure."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_json = out_dir / "spec.json"
     spec_json.write_text(json.dumps(spec.to_dict()))
-    cmd = launch_command(spec, spec_json, out_dir, Path(rollouts) if rollouts else None)
+    cmd = launch_command(spec, spec_json, out_dir, Path(rollouts) if rollouts else None, tensor_steps)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
     if progress:
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-json", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rollouts")
+    ap.add_argument("--tensor-steps", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
     code = 0
     try:
         train(spec, args.out, rollout_source=source, progress=os.environ.get("GRPO_PARITY_PROGRESS") == "1",
-              lockstep=source is not None)
+              lockstep=source is not None, tensor_steps=args.tensor_steps)
     except BaseException:
         import traceback
 

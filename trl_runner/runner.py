@@ -9,13 +9,19 @@ What the harness adds to TRL, and nothing more:
 - optional: prompts truncated to MAX_PROMPT_TOKENS (TRL 1.16 has no max_prompt_length);
 - optional: completions from outside through TRL's own `rollout_func` (lockstep parity);
 - optional: the emulated sampler put where TRL calls vLLM (`trainer.vllm_generation`), so TRL's own
-  importance-sampling code runs; such runs are labelled `emulated sampler`.
+  importance-sampling code runs; such runs are labelled `emulated sampler`;
+- optional (`tensor_steps`): the first steps' tensors along the dataflow, read from inside TRL, saved as the
+  scratch loop saves its own (`tensors.jsonl`, rows in the rollout's order) for the tensor diff. See `TensorCapture`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,10 +31,99 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import GRPOTrainer
 
 
+@contextlib.contextmanager
+def locals_at_return(func, names: tuple[str, ...], into: dict):
+    """While inside, every call of `func` (its code object) puts the named locals it holds when it returns into
+    `into`: the very tensors TRL computed, not a recomputation (sys.settrace on that one frame; other frames are
+    not traced line by line). The trace function in force before is restored on the way out."""
+    code = inspect.unwrap(func).__code__
+
+    def local(frame, event, arg):
+        if event == "return":
+            into.update({n: frame.f_locals.get(n) for n in names})
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield into
+    finally:
+        sys.settrace(previous)
+
+
+def _rows_of(t, n_procs: int) -> list:
+    """A (local) tensor as host rows, every process's in rank order (the rollout's order: process k holds the k-th
+    slice of the round)."""
+    if t is None:
+        return None
+    rows = t.detach().float().cpu().tolist()
+    if n_procs > 1:
+        from accelerate.utils import gather_object
+
+        rows = [r for part in gather_object([rows]) for r in part]
+    return rows
+
+
+class TensorCapture:
+    """The first `steps` optimizer steps' tensors, read from inside GRPOTrainer (TRL 1.16), in the rollout's order.
+
+    Where each comes from (all TRL's own values):
+    - rewards: `_calculate_rewards`' return (every process's rewards per function), weighted and summed as
+      `_generate_and_score_completions` does (`nansum`, NaN where every function returned None);
+    - advantages, mask (`completion_mask`, times `tool_mask` if any), old_logps (`old_per_token_logps`, only where TRL
+      computes them), ref_logps (`ref_per_token_logps`, beta > 0): the dict `_generate_and_score_completions` returns,
+      before TRL shuffles it (rank order = the rollout's order);
+    - logps (the policy call's `per_token_logps`) and per_token_loss: the locals of `_compute_loss` when it returns
+      (`locals_at_return`), per micro-batch; a row index (`harness_row`) added to the generation batch rides TRL's
+      shuffle (`shuffle_sequence_dict`) and split, is taken out in `_prepare_inputs` before TRL's loss sees the
+      batch, and puts each micro-batch's rows back in the rollout's order (rows a step did not train on: NaN, as
+      the scratch loop saves them);
+    - loss, grad_norm: what TRL logs for the step (the sum of the micro-batches' losses; the norm before clipping).
+    """
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.round: dict | None = None  # the generation round's tensors (rollout order)
+        self.micro: list[tuple] = []  # this step's micro-batches: (rows, logps, per_token_loss)
+        self.rows = None  # the row index of the micro-batch being trained (set in _prepare_inputs)
+
+    def active(self, trainer) -> bool:
+        return self.steps > 0 and trainer.model.training and trainer.state.global_step < self.steps
+
+    def step_row(self, n_procs: int) -> dict | None:
+        """This step's tensors (all processes'), in the rollout's order; None when none were taken."""
+        micro = self.micro
+        self.micro = []
+        if n_procs > 1:
+            from accelerate.utils import gather_object
+
+            micro = [m for part in gather_object([micro]) for m in part]
+        if self.round is None or not micro:
+            return None
+        n = len(self.round["rewards"])
+        width = max((len(r) for r in self.round["mask"]), default=0)
+        logps = [[math.nan] * width for _ in range(n)]
+        per_token = [[math.nan] * width for _ in range(n)]
+        for rows, lp, ptl in micro:
+            for i, row in enumerate(rows):
+                logps[row] = lp[i]
+                if ptl is not None:
+                    per_token[row] = ptl[i]
+        out = {**self.round, "logps": logps}
+        if any(ptl is not None for _r, _l, ptl in micro):
+            out["per_token_loss"] = per_token
+        return out
+
+
 class HarnessGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that records what each generation consumed. Loss, advantages, IS: all TRL's own code."""
 
-    def __init__(self, *args, max_prompt_tokens: int = 0, lockstep_seed: int | None = None, **kwargs):
+    def __init__(self, *args, max_prompt_tokens: int = 0, lockstep_seed: int | None = None, tensor_steps: int = 0,
+                 **kwargs):
+        self.harness_tensors = TensorCapture(tensor_steps)
         self.harness_max_prompt_tokens = max_prompt_tokens
         self.harness_lockstep_seed = lockstep_seed
         self.harness_generations: list[dict] = []  # one record per generation round
@@ -54,10 +149,30 @@ class HarnessGRPOTrainer(GRPOTrainer):
         self._harness_tokens = sum(self._harness_seq_tokens)
         return out
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.harness_tensors.active(self):  # every process's, gathered by TRL; weighted as TRL weighs them
+            w = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+            rewards = (rewards_per_func * w).nansum(dim=1)
+            rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+            self._harness_rewards = rewards.detach().cpu().tolist()
+        return rewards_per_func
+
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
         out = super()._generate_and_score_completions(inputs)
         t0 = time.perf_counter()
+        capture = self.harness_tensors
+        if capture.active(self):  # before TRL shuffles the batch: rank order is the rollout's order
+            n_procs, rank, n = self.accelerator.num_processes, self.accelerator.process_index, len(inputs)
+            mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+            capture.round = {"rewards": self._harness_rewards, "advantages": _rows_of(out["advantages"], n_procs),
+                             "mask": _rows_of(mask, n_procs),
+                             "old_logps": _rows_of(out.get("old_per_token_logps"), n_procs),
+                             "ref_logps": _rows_of(out.get("ref_per_token_logps"), n_procs)}
+            capture.round = {k: v for k, v in capture.round.items() if v is not None}
+            # a row index that rides TRL's shuffle and split (taken out in _prepare_inputs before TRL's loss)
+            out["harness_row"] = torch.arange(rank * n, (rank + 1) * n, device=out["advantages"].device)
         if mode == "train":
             from accelerate.utils import gather_object
 
@@ -85,11 +200,30 @@ class HarnessGRPOTrainer(GRPOTrainer):
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
-        if not self.harness_per_step or not self.model.training:
+        if not self.model.training:
             return inputs
-        self.harness_consumed.append({"prompt_idx": inputs["harness_prompt_idx"].tolist(),
-                                      "tokens": int(inputs["harness_tokens"].sum())})
+        self.harness_tensors.rows = inputs["harness_row"].tolist() if "harness_row" in inputs else None
+        if self.harness_per_step:
+            self.harness_consumed.append({"prompt_idx": inputs["harness_prompt_idx"].tolist(),
+                                          "tokens": int(inputs["harness_tokens"].sum())})
         return {k: v for k, v in inputs.items() if not k.startswith("harness_")}  # TRL's loss never sees them
+
+    def _compute_loss(self, model, inputs):
+        capture = self.harness_tensors
+        if capture.rows is None or not capture.active(self):
+            return super()._compute_loss(model, inputs)
+        with locals_at_return(GRPOTrainer._compute_loss, ("per_token_logps", "per_token_loss", "mask"), {}) as seen:
+            loss = super()._compute_loss(model, inputs)
+        logps, per_token = seen.get("per_token_logps"), seen.get("per_token_loss")
+        if logps is None:
+            warnings.warn("TRL's _compute_loss holds no per_token_logps: this TRL's tensors cannot be captured")
+            return loss
+        if per_token is not None:  # (B, 1) at sequence-level importance sampling: one value per token, as saved
+            per_token = per_token.expand_as(seen["mask"]) if per_token.shape != seen["mask"].shape else per_token
+            per_token = per_token.detach().float().cpu().tolist()
+        capture.micro.append((capture.rows, logps.detach().float().cpu().tolist(), per_token))
+        capture.rows = None
+        return loss
 
 
 class MetricLogCallback(TrainerCallback):
@@ -177,6 +311,13 @@ class MetricLogCallback(TrainerCallback):
         })
         self.trainer.harness_gen_s = self.trainer.harness_s = 0.0
         self.writer.log_step(row)
+        if state.global_step <= self.trainer.harness_tensors.steps:  # every process: the rows are gathered
+            from harness.runlog.tensors import TENSORS_FILE, write_row
+
+            named = self.trainer.harness_tensors.step_row(self.trainer.accelerator.num_processes)
+            if named is not None and self.writer.dir is not None:
+                write_row(self.writer.dir / TENSORS_FILE, state.global_step,
+                          {**named, "loss": row.get("loss"), "grad_norm": row.get("grad_norm")})
         if self.seen_generations and "reward" in row:  # a generation step: keep a few of its completions
             self._log_completions(state.global_step)
         self.bar.update(row)
@@ -249,8 +390,13 @@ def make_rollout_func(rollout_source, tokenizer, max_prompt_tokens: int):
     return rollout_func
 
 
-def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: bool = False):
-    """Run TRL's GRPOTrainer per `spec`; write metrics.jsonl, manifest.json and mapping.json to `out_dir`."""
+def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: bool = False, tensor_steps: int = 0):
+    """Run TRL's GRPOTrainer per `spec`; write metrics.jsonl, manifest.json and mapping.json to `out_dir`.
+
+    `tensor_steps`: save the first that many optimizer steps' tensors along the dataflow, read from inside TRL
+    (`TensorCapture`), to `tensors.jsonl` in the scratch loop's format and row order (harness/runlog/tensors.py),
+    for the tensor diff; as the scratch loop's `train(..., tensor_steps=)`. Capturing does not change TRL's numbers.
+    """
     from datasets import Dataset
 
     from harness.experiment.data import load_rows, prompt_schedule, to_prompt_rows
@@ -294,6 +440,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     if main:
         writer = RunWriter(out_dir, "trl", spec, device, {**extra, "processes": spec.PROCESSES})
         write_mapping(translation, out_dir / "mapping.json")
+        from harness.runlog.tensors import TENSORS_FILE
+
+        (writer.dir / TENSORS_FILE).unlink(missing_ok=True)  # an earlier run's tensors must not pass for this run's
     else:
         writer = _SilentWriter(spec)
     with writer:
@@ -302,6 +451,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
             reward_funcs=reward_functions(spec),
             rollout_func=make_rollout_func(rollout_source, tokenizer, spec.MAX_PROMPT_TOKENS) if rollout_source else None,
             max_prompt_tokens=spec.MAX_PROMPT_TOKENS, lockstep_seed=spec.SEED if lockstep else None,
+            tensor_steps=tensor_steps,
         )
         if spec.sampler.kind == "emulated":
             # TRL's vLLM code paths (its IS correction included), with the emulated sampler where vLLM would be;

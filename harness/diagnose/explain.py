@@ -767,8 +767,7 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
 def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:
     """The tensor diff, where your loop saved tensors (harness.loop.tensors): the built-in loop, set up as TRL, saves
     the same steps' tensors on the same rollouts, and the first link of the chain that differs is named."""
-    from harness.diagnose.tensordiff import diff
-    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+    from harness.diagnose.tensordiff import chain_facts, diff
     from harness.runlog.tensors import TENSORS_FILE, read_tensors
 
     mine = read_tensors(yours_dir / TENSORS_FILE)
@@ -780,14 +779,10 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
         return None
     steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
     ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
-    per_round = spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS
-    lengths = {s: [len(c) for c in records[(s - 1) // per_round]["completion_ids"]] for s in ref
-               if (s - 1) // per_round < len(records)}
-    ckpt = checkpoint_dir(spec)
-    eos = eos_token_ids(generation_config(ckpt), load_tokenizer(ckpt))
-    ends = {s: [bool(c) and c[-1] in eos for c in records[(s - 1) // per_round]["completion_ids"]] for s in lengths}
-    has_eos = any(t in eos for ids in records[0]["prompt_ids"] for t in ids) if records else False
-    atol, rtol = (1e-5, 1.3e-6) if spec.DTYPE == "float32" else (1e-2, 1.6e-2)
+    facts = chain_facts(spec, records)
+    lengths = {s: n for s, n in facts["lengths"].items() if s in ref}
+    ends = {s: e for s, e in facts["ends_with_eos"].items() if s in lengths}
+    eos, has_eos, atol, rtol = facts["eos_ids"], facts["prompts_have_eos"], facts["atol"], facts["rtol"]
     found = diff(mine, ref, search.base, lengths, eos, has_eos, atol, rtol, ends)
     for link in (found or {}).get("chain", []):  # a forward pass that differs on its own: which switch gives yours?
         if link["tensor"] in ("logps", "ref_logps") and link.get("independent") and link.get("candidates"):

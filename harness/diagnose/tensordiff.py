@@ -21,6 +21,10 @@ the other side's own inputs rather than guessed:
   use_bias_correction_kl, which is 1 in value at the first pass), or the gradient's clipping.
 Each pattern maps to spec changes (`candidates`: TRL's settings or the built-in loop's quirks) that the explanation
 search tries first, and to words; a pattern TRL has no setting for is said so.
+
+Either side may be any run folder with a `tensors.jsonl`: your loop's, the built-in loop's, or TRL's own
+(`trl_runner.runner.train(..., tensor_steps=N)` reads them from inside GRPOTrainer). `diff_runs` compares two such
+folders on the rollouts both trained on.
 """
 
 from __future__ import annotations
@@ -151,6 +155,36 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
     if not steps or not chain_at or all(c["status"] != "same" for c in chain_at):
         return None
     return {"first": None, "chain": chain_at, "steps": steps}
+
+
+def chain_facts(spec, records: list[dict]) -> dict:
+    """What the diff needs besides the tensors, from the lockstep rollouts both sides trained on: each step's
+    completion lengths and whether each ends with an eos, the eos ids, whether a prompt holds an eos, and the
+    tolerance of the spec's dtype."""
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+
+    per_round = spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS
+    steps = range(1, len(records) * per_round + 1)
+    lengths = {s: [len(c) for c in records[(s - 1) // per_round]["completion_ids"]] for s in steps}
+    ckpt = checkpoint_dir(spec)
+    eos = eos_token_ids(generation_config(ckpt), load_tokenizer(ckpt))
+    ends = {s: [bool(c) and c[-1] in eos for c in records[(s - 1) // per_round]["completion_ids"]] for s in steps}
+    has_eos = any(t in eos for ids in records[0]["prompt_ids"] for t in ids) if records else False
+    atol, rtol = (1e-5, 1.3e-6) if spec.DTYPE == "float32" else (1e-2, 1.6e-2)
+    return {"lengths": lengths, "eos_ids": eos, "ends_with_eos": ends, "prompts_have_eos": has_eos,
+            "atol": atol, "rtol": rtol}
+
+
+def diff_runs(spec, yours_dir, ref_dir, records: list[dict]) -> dict | None:
+    """`diff` of two run folders' tensors.jsonl (any sides: your loop, the built-in loop, TRL), trained on the same
+    lockstep `records`; `spec` is the reference side's (the patterns are recomputed under its settings)."""
+    from pathlib import Path
+
+    from harness.runlog.tensors import TENSORS_FILE, read_tensors
+
+    f = chain_facts(spec, records)
+    return diff(read_tensors(Path(yours_dir) / TENSORS_FILE), read_tensors(Path(ref_dir) / TENSORS_FILE), spec,
+                f["lengths"], f["eos_ids"], f["prompts_have_eos"], f["atol"], f["rtol"], f["ends_with_eos"])
 
 
 def guesses_of(chain: list[dict], first: dict) -> list[dict]:
