@@ -58,6 +58,12 @@ def test_a_divergence_no_difference_explains_is_unexplained(tmp_path, monkeypatc
     detail = doc["cells"][0]["attribution_detail"]
     assert detail[0]["cause"] == "unexplained" and "still part" in detail[0]["evidence"]
     assert all(d["status"] != "confirmed" for d in detail)
+    # where the all-aligned re-run parts, and its folders: what a remote (GPU) run's verdict must say to be followed
+    fd = detail[0]["rerun_first_divergence"]
+    assert fd and f"the re-run parts at step {fd['step']} on {fd['metric']}" in detail[0]["evidence"]
+    assert fd["metric"] in detail[0]["rerun_outside"]
+    assert [p.split("/")[-1] for p in detail[0]["rerun_runs"]] == ["scratch", "trl"]
+    assert all("aligned-" in p for p in detail[0]["rerun_runs"])
 
 
 @pytest.mark.parametrize("overrides, quirk", [

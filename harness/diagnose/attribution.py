@@ -110,10 +110,19 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     if search.errors:
         entries[0]["rerun_error"] = search.errors[0]
     if causes is None:
-        entries.insert(0, {"cause": "unexplained", "status": "suspected", "fields": [],
-                           "evidence": "with every difference the preflight lists aligned the runs still part"
-                                       + (f" ({search.errors[0]})" if search.errors else "")
-                                       + ": a bug on one side, or a difference the preflight cannot see"})
+        # where the all-aligned re-run parts (or that it failed), and its folder: without them a verdict of
+        # "unexplained" on a remote machine says nothing about what to look at next
+        rerun = search.results.get(frozenset(fixed))
+        rerun_fd = rerun.get("first_divergence") if rerun else None
+        where = (f" (the re-run parts at step {rerun_fd['step']} on {rerun_fd['metric']})" if rerun_fd else
+                 f" ({search.errors[0]})" if search.errors else "")
+        entry = {"cause": "unexplained", "status": "suspected", "fields": [],
+                 "evidence": "with every difference the preflight lists aligned the runs still part"
+                             + where + ": a bug on one side, or a difference the preflight cannot see"}
+        if rerun:  # (a failed re-run has none: the report reads this key as the aligned re-run's outcome)
+            entry.update(rerun_first_divergence=rerun_fd, rerun_outside=list(rerun.get("outside", [])),
+                         rerun_runs=list(rerun.get("runs") or []))
+        entries.insert(0, entry)
     elif len(causes) > 1:
         shares = search.shares(causes)
         for entry in entries:
