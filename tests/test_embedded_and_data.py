@@ -136,3 +136,20 @@ def test_vocab_size_below_the_tokenizer_is_refused_before_loading(tmp_path):
         E.padded_vocabulary(9, ["+"], 10)
     with pytest.raises(InputError, match="model.vocab_size"):
         check_inputs(small_spec("model.vocab_size=10"), scratch=True)
+
+
+def test_a_small_model_on_a_cpu_trains_on_one_thread(monkeypatch):
+    """The embedded default's ops are too small to split: two threads gain nothing on an idle machine and spin
+    against any other busy process (a run 4x slower); OMP_NUM_THREADS set by the user wins."""
+    before = torch.get_num_threads()
+    ckpt = checkpoint_dir(small_spec())
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        load_model(ckpt, "float32", "cpu")
+        assert torch.get_num_threads() == 2  # the user's word
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        load_model(ckpt, "float32", "cpu")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -121,6 +121,9 @@ def load_tokenizer(path: Path):
     return tok
 
 
+SMALL_MODEL = 20_000_000  # parameters: below this a CPU step is per-op overhead, not arithmetic
+
+
 def load_model(path: Path, dtype: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -129,7 +132,21 @@ def load_model(path: Path, dtype: str, device: str):
 
     hf_logging.disable_progress_bar()  # the harness shows its own progress; a weight-loading bar is noise
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    one_thread_for_small(model, device)
     return model.to(device)
+
+
+def one_thread_for_small(model, device: str) -> None:
+    """One torch thread on a CPU for a model under SMALL_MODEL parameters, unless OMP_NUM_THREADS says otherwise.
+    Such a model's ops are too small to split: on an idle 2-core machine one thread trains the embedded default as
+    fast as two (4.5 s a run either way), and with one other busy process on the machine two threads spin against
+    it (a run 16-22 s against 4.5-4.8 s; the default matrix 309 s against 29 s; docs/benchmarks.md)."""
+    import torch
+
+    if str(device).split(":")[0] != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    if sum(p.numel() for p in model.parameters()) < SMALL_MODEL:
+        torch.set_num_threads(1)
 
 
 class Warm:
