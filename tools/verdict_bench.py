@@ -21,14 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def timed(cmd: list[str]) -> float:
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode not in (0, 1):
-        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-800:]}")
-    return time.perf_counter() - t0
+sys.path.insert(0, str(ROOT / "tools"))
+from explain_bench import timed  # noqa: E402 - one wall-clock runner for the bench tools
 
 
 def parity_marks(cmd: list[str]) -> dict[str, float]:
