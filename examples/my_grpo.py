@@ -14,6 +14,9 @@ Its choices are flags, so you can see what the harness says when they differ fro
                              factor of the policy ratio (use_bias_correction_kl); --kl-log round averages the
                              logged kl over the round's tokens (TRL: per micro-batch, then over them)
     --lr, --adam-beta2, --weight-decay, --lr-schedule constant|linear   the optimizer's own values
+    --clip-high C            the ratio's upper clip bound 1 + C (TRL: epsilon_high; it binds once the ratio leaves 1,
+                             as with the spec's NUM_ITERATIONS > 1)
+The spec's NUM_ITERATIONS > 1 takes that many optimizer steps over each round, logp_old from a no-grad pass.
 Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
 
@@ -40,6 +43,7 @@ p.add_argument("--lr", type=float)
 p.add_argument("--adam-beta2", type=float)
 p.add_argument("--weight-decay", type=float)
 p.add_argument("--lr-schedule", choices=("constant", "linear"))
+p.add_argument("--clip-high", type=float)
 p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
 args = p.parse_args()
@@ -52,15 +56,17 @@ LR = args.lr if args.lr is not None else cfg.get("LR", 1e-6)
 BETAS = (cfg.get("ADAM_BETA1", 0.9), args.adam_beta2 if args.adam_beta2 is not None else cfg.get("ADAM_BETA2", 0.99))
 EPS = cfg.get("ADAM_EPS", 1e-8)
 WEIGHT_DECAY = args.weight_decay if args.weight_decay is not None else cfg.get("WEIGHT_DECAY", 0.0)
-CLIP_LOW, CLIP_HIGH = cfg.get("CLIP_LOW", 0.2), cfg.get("CLIP_HIGH", 0.28)
+CLIP_LOW = cfg.get("CLIP_LOW", 0.2)
+CLIP_HIGH = args.clip_high if args.clip_high is not None else cfg.get("CLIP_HIGH", 0.28)
 TEMPERATURE, MAX_TOKENS = cfg.get("TEMPERATURE", 1.0), cfg.get("MAX_TOKENS", 512)
 MAX_GRAD_NORM = cfg.get("MAX_GRAD_NORM", 1.0)
 LINEAR_LR = (args.lr_schedule or cfg.get("LR_SCHEDULE", "constant")) == "linear"
 BETA = args.beta if args.beta is not None else cfg.get("BETA", 0.0)
 KL_RATIO = (args.kl_ratio or ("yes" if cfg.get("KL_IS_CORRECTION", True) else "no")) == "yes"
-if cfg.get("STEPS_PER_GENERATION", 1) != 1 or cfg.get("NUM_ITERATIONS", 1) != 1:
-    raise SystemExit("this example takes one optimizer step per generation round: STEPS_PER_GENERATION and "
-                     "NUM_ITERATIONS must be 1")
+MU = cfg.get("NUM_ITERATIONS", 1)  # optimizer steps (passes) over each generation round: GRPO's mu
+if cfg.get("STEPS_PER_GENERATION", 1) != 1:
+    raise SystemExit("this example trains every optimizer step on a whole generation round: STEPS_PER_GENERATION "
+                     "must be 1")
 
 DEVICE = cfg.get("DEVICE", "cpu")
 DEVICE = ("cuda" if torch.cuda.is_available() else "cpu") if DEVICE == "auto" else DEVICE
@@ -122,11 +128,19 @@ def sample_round(r):
             "reward_weights": list(spec.rewards.weights)}
 
 
+def token_logp(net, ids, attention, targets, P):
+    with torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=BF16):
+        logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
+    return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 for step in range(STEPS):
+    r, it = divmod(step, MU)  # round r, pass `it` over it (NUM_ITERATIONS passes)
     # ---- 1. a round of completions: the harness's (lockstep) or our own ------------------------------------
-    model.eval()
-    batch = parity.rollout(step) or sample_round(step)  # parity: lockstep rollouts when the harness gives them
-    model.train()
+    if it == 0:  # later passes train on the same round
+        model.eval()
+        batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
+        model.train()
     per_func = torch.tensor([[math.nan if v is None else v for v in vals] for vals in batch["rewards"].values()])
     rewards = (per_func.T * torch.tensor(batch["reward_weights"])).nansum(dim=1)  # a failed score counts 0
 
@@ -152,25 +166,25 @@ for step in range(STEPS):
         group["lr"] = lr
     step_loss, kls, kl_sum = 0.0, [], 0.0
     seen_logp, seen_loss = [], []  # per micro-batch, in order: the round's rows for the tensor diff
+    micro = [slice(s, s + n // ACCUM) for s in range(0, n, n // ACCUM)]
+    inputs = [(torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1),
+               torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)) for mb in micro]
+    if it == 0 and MU > 1:  # several passes: the old policy is the one that generated, from a no-grad pass
+        with torch.no_grad():
+            old_logps = [token_logp(model, ids, attention, completion_ids[mb], P)
+                         for mb, (ids, attention) in zip(micro, inputs)]
 
-    def token_logp(net, ids, attention, targets):
-        with torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=BF16):
-            logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
-        return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-    for s in range(0, n, n // ACCUM):
-        mb = slice(s, s + n // ACCUM)
-        ids = torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1)
-        attention = torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)
-        logp = token_logp(model, ids, attention, completion_ids[mb])
-        ratio = torch.exp(logp - logp.detach())  # one pass per round: the old policy is the current one
+    for j, (mb, (ids, attention)) in enumerate(zip(micro, inputs)):
+        logp = token_logp(model, ids, attention, completion_ids[mb], P)
+        old = old_logps[j] if MU > 1 else logp.detach()  # one pass per round: the old policy is the current one
+        ratio = torch.exp(logp - old)
         a = adv[mb].unsqueeze(1)
         per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         mask = loss_mask[mb].float()
         seen_logp.append(logp.detach())
         if ref is not None:
             with torch.no_grad():
-                ref_logp = token_logp(ref, ids, attention, completion_ids[mb])
+                ref_logp = token_logp(ref, ids, attention, completion_ids[mb], P)
             kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3
             if KL_RATIO:
                 kl = kl * ratio

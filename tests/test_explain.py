@@ -154,6 +154,35 @@ def test_a_one_difference_loop_is_explained_from_its_tensors_alone(tmp_path):
     assert '<span class="link first">advantages' in html and "by the tensor diff" in html
 
 
+def test_several_passes_over_a_round_are_explained_from_the_tensors_and_name_the_clip_bound(tmp_path):
+    """NUM_ITERATIONS = 2 (GRPO's mu; tiny-grpo's epochs_per_step): every step trains on the whole round, so the
+    tensor diff compares them (it was skipped for any NUM_ITERATIONS > 1, and the search alone then kept a std
+    epsilon of 1e-3 on a partial match and ended 'suspected'), and the second pass moves the ratio off 1, so an upper
+    clip bound of 0.2 against the spec's 0.28 acts from step 2 and is named as TRL's epsilon_high. The example itself
+    takes the two passes as TRL does (parity)."""
+    plain = run_matrix(loop_spec("", "NUM_ITERATIONS=2"), tmp_path / "plain", "none", **QUIET)
+    assert plain["cells"][0]["verdict"] == "parity", plain["cells"][0]["first_divergence"]
+    doc, found = explained(tmp_path / "a", "--std-eps 1e-8 --no-eos-in-loss --clip-high 0.2", "NUM_ITERATIONS=2")
+    assert found["tensor_diff"]["first"]["tensor"] == "advantages", found.get("tensor_diff")
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["fix"]["trl"] == {"epsilon_high": 0.2}, found["fix"]
+    assert found["fix"]["scratch"] == {"STD_EPS": 1e-08, "COMPLETION_MASK": "no_eos"}, found["fix"]
+    clip = next(t for t in found["trace"] if "CLIP_HIGH" in t["changes"])
+    assert clip["at_step"] == 2  # the first step whose policy is not the one that generated
+
+
+def test_a_clip_bound_is_a_candidate_from_the_first_step_after_an_update():
+    """With the ratio able to leave 1 (several passes or slices per round), a clip bound still cannot act at step 1:
+    that step trains the policy that generated its round (ratio exactly 1). Offered there, the bounds took two of
+    the pair search's eight places with changes that move nothing."""
+    from harness.diagnose.explain import options
+
+    for sets in (["NUM_ITERATIONS=2"], ["STEPS_PER_GENERATION=2"]):
+        clips = [o for o in options(load_spec(DEFAULT_SPEC, sets), set()) if o.key in ("CLIP_HIGH", "CLIP_LOW")]
+        assert clips and all(o.acts_from == 2 for o in clips), (sets, clips)
+    assert not [o for o in options(load_spec(DEFAULT_SPEC), set()) if o.key.startswith("CLIP_")]  # ratio 1 throughout
+
+
 def test_tensor_patterns_name_the_mask_and_the_loss_normalisation():
     """Known answers: the eos dropped from the loss, and a loss aggregated over tokens, from hand-made tensors."""
     from harness.diagnose.tensordiff import diff

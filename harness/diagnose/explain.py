@@ -17,7 +17,8 @@ How it searches (several differences at once):
   step's dataflow that differs; what it recomputed exactly is the first guess, kept as found.
 - Fields act from different steps: the advantages and the loss's shape change step 1's loss and gradient; the
   learning rate, weight decay, gradient clipping, Adam's epsilon and a k3 KL penalty act through the first update
-  (step 2); Adam's betas and a decaying schedule through the second (step 3; the first Adam update is the same
+  (step 2), as do the clip bounds where the ratio can leave 1 (step 1 trains the policy that generated its round);
+  Adam's betas and a decaying schedule through the second (step 3; the first Adam update is the same
   for any beta). A round tries only the fields that can act at the first step where the runs part.
 - A candidate is judged first by how many steps it keeps the two in agreement, then by how many metrics are
   outside at the first step where it parts, then by how far; it runs only until it parts from your loop (at
@@ -87,8 +88,10 @@ def options(spec, logged: set[str]) -> list[Option]:
     out += [Option("ADV_SCALE", v, 1) for v in ("group", "batch", "none") if v != spec.ADV_SCALE]
     out += [Option("MASK_TRUNCATED", not spec.MASK_TRUNCATED, 1)]
     if spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.IS_CORRECTION:  # the ratio leaves 1
-        out += [Option("CLIP_HIGH", v, 1) for v in (0.2, 0.28) if v != spec.CLIP_HIGH]
-        out += [Option("CLIP_LOW", v, 1) for v in (0.1, 0.2) if v != spec.CLIP_LOW]
+        # ... but not before the first update: step 1 trains the policy that generated (ratio 1), so a clip bound can
+        # first bind at step 2 (a second pass, or the round's next slice)
+        out += [Option("CLIP_HIGH", v, 2) for v in (0.2, 0.28) if v != spec.CLIP_HIGH]
+        out += [Option("CLIP_LOW", v, 2) for v in (0.1, 0.2) if v != spec.CLIP_LOW]
     if spec.BETA > 0:
         out += [Option("KL_ESTIMATOR", v, 1) for v in ("k1", "k2") if v != spec.KL_ESTIMATOR]  # k3's gradient is 0 at 1
         out += [Option("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION, 2), Option("KL_IN_REWARD", True, 2)]
@@ -773,9 +776,11 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
     mine = read_tensors(yours_dir / TENSORS_FILE)
     if not mine or spec.loop.tensor_steps < 1:
         return None
-    if spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS > 1:  # a step trains on part of a round: rows would not align
-        log("    (the tensor diff compares one optimizer step per round: with STEPS_PER_GENERATION or NUM_ITERATIONS "
-            "above 1 it is skipped, and the search alone explains)")
+    # a step trains on a slice of its round when STEPS_PER_GENERATION > 1: rows would not align. NUM_ITERATIONS passes
+    # each train on the whole round (one row per completion, as the diff reads them): those steps are compared
+    if spec.STEPS_PER_GENERATION > 1:
+        log("    (the tensor diff compares steps that train on a whole round: with STEPS_PER_GENERATION above 1 a step "
+            "trains on a slice of it, so the diff is skipped and the search alone explains)")
         return None
     steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
     ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
