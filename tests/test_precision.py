@@ -69,3 +69,22 @@ def test_a_structural_reason_needs_no_float32_pair(tmp_path, monkeypatch):
     doc = M.run_matrix(spec, tmp_path, "none", log=lambda *_: None)
     cell = doc["cells"][0]
     assert cell["verdict"] == "parity" and "precision" not in cell and "ratio is exactly 1" in cell["cannot_show"]
+
+
+def test_the_float32_check_is_a_switch(monkeypatch):
+    """`auto`: on a CPU; on a GPU only once asked (`on`), until a GPU run has checked the float32 pair there; `off`:
+    never. Only a bf16 lockstep pair of the built-in sides asks for it."""
+    import dataclasses
+
+    from harness.experiment import models
+
+    cell = M.Cell("as-given", {}, small_spec('DTYPE="bfloat16"'), "diverged", "other:adam_beta2")
+    assert P.wants_float32(cell, "lockstep") and not P.wants_float32(cell, "free")
+    assert not P.wants_float32(dataclasses.replace(cell, spec=small_spec()), "lockstep")  # float32 already
+    assert not P.wants_float32(dataclasses.replace(cell, sides=("yours", "trl")), "lockstep")
+    off = dataclasses.replace(cell, spec=small_spec('DTYPE="bfloat16"', 'FLOAT32_CHECK="off"'))
+    assert not P.wants_float32(off, "lockstep")
+    monkeypatch.setattr(models, "resolve_device", lambda spec: "cuda")
+    assert not P.wants_float32(cell, "lockstep")
+    on = dataclasses.replace(cell, spec=small_spec('DTYPE="bfloat16"', 'FLOAT32_CHECK="on"'))
+    assert P.wants_float32(on, "lockstep")

@@ -272,6 +272,11 @@ class Spec:
                         "costs one more scratch run, without generation, per distinct scratch setting. `static`: the "
                         "fixed per-dtype bounds of harness/diagnose/tolerances.toml alone.",
                         choices=("calibrated", "static"))
+    FLOAT32_CHECK: str = _f("auto", "A cell that the preflight says should part but stays at parity in bf16 runs the "
+                            "same pair again in float32 before it says it cannot show the difference "
+                            "(harness/diagnose/precision.py). `auto`: on a CPU; not yet on a GPU, where this pair has "
+                            "not been checked (issue 28): `on` turns it on there too. `off`: never.",
+                            choices=("auto", "on", "off"))
     FREE_SEEDS: int = _f(3, "Free-run parity (--mode free): seeds per side (SEED, SEED+1, ...). More seeds lower the "
                          "noise floor the sides are compared against; lockstep ignores it.", min=2, max=64)
     DETERMINISTIC: bool = _f(False, "GPU determinism on both sides: transformers' enable_full_determinism "
