@@ -18,13 +18,13 @@ import time
 import traceback
 from pathlib import Path
 
+from harness.diagnose import precision
 from harness.diagnose.attribution import attribute, own_pair, reset_cache
 from harness.diagnose.backends import InProcess, WorkerDied, make_backend
 from harness.diagnose.explain import toml_value
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
-from harness.diagnose import precision
-from harness.diagnose.showable import exact_reason, lost_updates_warning, update_summary, why_no_effect
+from harness.diagnose.showable import exact_reason, lost_updates_warning, small_effect_reason, update_summary
 from loop_runner.run import LoopError
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
 
@@ -183,7 +183,7 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
                     v["precision"] = {"error": f"{type(e).__name__}: {e}"}
                     log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
             if why is None:
-                why = why_no_effect(cell.expected_cause, result, cell_dir, cell.spec, details, v["updates"])
+                why = small_effect_reason(result, cell_dir, cell.spec, details, v["updates"])
             if why:
                 v["cannot_show"] = why
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run

@@ -108,12 +108,14 @@ def exact_reason(cause: str | None, cell_dir: Path, details=None) -> str | None:
 def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None,
                   updates: dict | None = None) -> str | None:
     """The reason a toggle of `cause` could not show at this configuration, or None when the harness cannot tell:
-    an exact reason first (`exact_reason`), then bf16 weights that lost most updates, then the run's noise floor.
-    `details`: the attribution's. `updates`: the cell's `update_summary`, when the caller has it (else read from
-    the sketches)."""
-    exact = exact_reason(cause, cell_dir, details)
-    if exact:
-        return exact
+    an exact reason first (`exact_reason`), then the inexact ones (`small_effect_reason`). `details`: the
+    attribution's. `updates`: the cell's `update_summary`, when the caller has it (else read from the sketches)."""
+    return exact_reason(cause, cell_dir, details) or small_effect_reason(result, cell_dir, spec, details, updates)
+
+
+def small_effect_reason(result: dict, cell_dir: Path, spec=None, details=None, updates: dict | None = None) -> str | None:
+    """Why an effect may be too small to show: bf16 weights that lost most updates, then the run's noise floor, then
+    the attribution's plain "agree within tolerance"."""
     if updates is None and spec is not None:
         updates = update_summary(cell_dir)
     lost = lost_updates_warning(spec, updates) if spec is not None else None
