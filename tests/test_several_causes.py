@@ -64,6 +64,12 @@ def test_a_divergence_no_difference_explains_is_unexplained(tmp_path, monkeypatc
     assert fd["metric"] in detail[0]["rerun_outside"]
     assert [p.split("/")[-1] for p in detail[0]["rerun_runs"]] == ["scratch", "trl"]
     assert all("aligned-" in p for p in detail[0]["rerun_runs"])
+    # and tensor by tensor: the first link of TRL's step that differs from the built-in loop's is the gradient, at
+    # step 1 (the bug multiplies the aggregated loss, whose value is ~0 at a ratio of 1; rewards, advantages, mask,
+    # log-probs, per-token losses and the loss's value agree), TRL's 1/1.5 of the built-in loop's
+    first = detail[0]["tensor_diff"]["first"]
+    assert (first["tensor"], first["step"]) == ("grad_norm", 1), detail[0]["tensor_diff"]
+    assert "tensor by tensor" in detail[0]["evidence"] and "yours is 0.6667x the other's" in detail[0]["evidence"]
 
 
 @pytest.mark.parametrize("overrides, quirk", [

@@ -122,6 +122,9 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
         if rerun:  # (a failed re-run has none: the report reads this key as the aligned re-run's outcome)
             entry.update(rerun_first_divergence=rerun_fd, rerun_outside=list(rerun.get("outside", [])),
                          rerun_runs=list(rerun.get("runs") or []))
+        if rerun_fd and mode == "lockstep" and entry["rerun_runs"]:  # which link of the step parts first, and how
+            _walk_tensors(entry, search.specs[frozenset(fixed)], Path(entry["rerun_runs"][0]).parent, rerun_fd,
+                          cell_dir / "tensor-walk", log)
         entries.insert(0, entry)
     elif len(causes) > 1:
         shares = search.shares(causes)
@@ -205,6 +208,30 @@ def reset_cache() -> None:
     _INFLIGHT.clear()
 
 
+def _walk_tensors(entry: dict, spec, pair_dir: Path, fd: dict, out: Path, log) -> None:
+    """An unexplained pair, tensor by tensor: both sides again on its rollouts saving the first steps' tensors up to
+    the one where it parts, and the first link of TRL's dataflow that differs from the built-in loop's goes into the
+    entry (`tensor_diff`) and its evidence. A failure here leaves the entry as it was, saying so."""
+    from harness.diagnose.pairs import TENSOR_WALK_STEPS, tensor_walk
+    from harness.diagnose.tensordiff import words
+
+    steps = max(1, min(int(fd["step"]), TENSOR_WALK_STEPS))
+    log(f"    the aligned re-run still parts: both sides again on its rollouts, their first {steps} steps' tensors "
+        "compared link by link")
+    try:
+        found = tensor_walk(spec, pair_dir, steps, out)
+    except Exception as e:  # noqa: BLE001 - a diagnosis that fails must not sink the cell
+        entry["tensor_diff_error"] = f"{type(e).__name__}: {e}"
+        return
+    if found is None:
+        return
+    entry["tensor_diff"] = {"first": found["first"], "steps": found["steps"]}
+    entry["evidence"] += ("; tensor by tensor, TRL's side (in the place of \"your loop\") against the built-in loop's: "
+                          + (words(found) if found["first"] else
+                             f"every saved tensor agrees over the first {steps} steps (the difference is elsewhere: "
+                             "the optimizer or the schedule, or after them)"))
+
+
 class CauseSearch:
     """Re-runs of one cell with a subset of its differences aligned, cached by the resolved spec."""
 
@@ -219,6 +246,7 @@ class CauseSearch:
         self.reused = 0  # runs another cell of the matrix had made already
         self.errors: list[str] = []
         self.results: dict[frozenset, dict | None] = {}
+        self.specs: dict[frozenset, object] = {}  # the resolved spec of each re-run
 
     def run(self, aligned: frozenset) -> dict | None:
         """The comparison with the checks in `aligned` aligned (None when the re-run failed)."""
@@ -230,7 +258,7 @@ class CauseSearch:
             align["set"].update(part["set"])
             align["drop_trl"] += [k for k in part["drop_trl"] if k not in align["drop_trl"]]
             align["set_trl"].update(part.get("set_trl", {}))
-        spec = apply_alignment(self.spec, align)
+        spec = self.specs[aligned] = apply_alignment(self.spec, align)
         key = _run_key(spec, self.mode)
         name = "aligned-" + "+".join(sorted(c.replace(":", "-") for c in aligned))
         known, fut, mine = _claim(key)  # this cell makes it, or waits for the cell making it (no run made twice)

@@ -236,6 +236,31 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     return result
 
 
+TENSOR_WALK_STEPS = 6  # at most this many steps' tensors when an unexplained pair is walked link by link
+
+
+def tensor_walk(spec, pair_dir: Path, steps: int, out: Path) -> dict | None:
+    """Both built-in sides again on a lockstep pair's recorded rollouts, saving their first `steps` steps' tensors
+    (`out/{scratch,trl}`), and the tensor diff of TRL's against the built-in loop's (tensordiff.diff:
+    the first link that differs, where and how). None when the pair has no recording or runs on several processes.
+    TRL's run spans STEPS (its schedule with it); the built-in loop stops after `steps`."""
+    from harness.diagnose.tensordiff import diff_runs
+    from harness.rollouts.lockstep import ROLLOUTS_FILE, ReplaySource
+    from scratch_grpo.train import train as train_scratch
+    from trl_runner.runner import train as train_trl
+
+    pair_dir = Path(pair_dir)
+    if spec.PROCESSES > 1 or spec.STEPS_PER_GENERATION > 1 or not (pair_dir / ROLLOUTS_FILE).exists():
+        return None
+    records = ReplaySource.from_file(pair_dir / ROLLOUTS_FILE).records
+    out = Path(out)
+    train_scratch(spec, out / "scratch", rollout_source=ReplaySource(records), progress=False, tensor_steps=steps,
+                  stop_when=lambda row: int(row["step"]) >= steps)
+    train_trl(spec, out / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True,
+              tensor_steps=steps)
+    return diff_runs(spec, out / "trl", out / "scratch", records)
+
+
 def make_scratch(spec, out_dir: Path, progress: bool = False, store: ScratchStore | None = None) -> None:
     """The scratch side of a lockstep pair alone (its run, recording and noise envelope) into out_dir and `store`:
     a backend runs it once for every cell that shares it, before their pairs (harness/diagnose/backends.py)."""

@@ -234,10 +234,13 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, e
         return _loss(a, spec, atol, rtol)
     if name == "grad_norm":
         cands = [{"KL_IS_CORRECTION": not spec.KL_IS_CORRECTION}] if spec.BETA > 0 else []
-        return {"how": "the gradient differs with an equal loss: a term equal in value but not in gradient (a KL "
-                       "term multiplied by the policy ratio, which is 1 in value: use_bias_correction_kl), or the "
-                       "gradient's clipping", "candidates": cands + [{"MAX_GRAD_NORM": g} for g in (0.0, 0.5, 1.0)
-                                                                      if g != spec.MAX_GRAD_NORM]}
+        mine, theirs = _flat(a.get("grad_norm")), _flat(b.get("grad_norm"))
+        factor = f" (yours is {mine[0] / theirs[0]:.4g}x the other's)" if len(mine) == len(theirs) == 1 and theirs[0] else ""
+        return {"how": "the gradient differs with an equal loss" + factor + ": a term equal in value but not in "
+                       "gradient (a KL term multiplied by the policy ratio, which is 1 in value: "
+                       "use_bias_correction_kl), a factor on a loss whose value is near 0 (as at a ratio of 1), or "
+                       "the gradient's clipping",
+                "candidates": cands + [{"MAX_GRAD_NORM": g} for g in (0.0, 0.5, 1.0) if g != spec.MAX_GRAD_NORM]}
     return {"how": "differs", "candidates": []}
 
 
