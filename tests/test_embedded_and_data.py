@@ -1,6 +1,7 @@
 """The offline default (determinism, TRL-compatible tokenizer) and the data loaders on small local files."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -153,3 +154,19 @@ def test_a_small_model_on_a_cpu_trains_on_one_thread(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_torch_compile_keeps_what_it_builds_in_the_harness_cache(monkeypatch, tmp_path):
+    """The first torch.compile of a run points inductor's on-disk cache at GRPO_PARITY_CACHE/inductor, which a
+    reboot does not empty (torch's default is under /tmp), unless the user chose TORCHINDUCTOR_CACHE_DIR."""
+    from harness.experiment.models import CompileOnFirstCall
+
+    monkeypatch.setenv("GRPO_PARITY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # what matters is where the cache goes, not inductor
+    double = CompileOnFirstCall(lambda x: 2 * x, "a test function", "the plain function serves")
+    assert double(3) == 6 and double.state == "ok"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    CompileOnFirstCall(lambda x: x, "another", "plain")(1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

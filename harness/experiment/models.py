@@ -273,6 +273,16 @@ def run_label(spec, device: str, ckpt: str | Path | None = None) -> dict:
             "text": text}
 
 
+def persistent_compile_cache() -> str:
+    """Where torch.compile keeps what it built: TORCHINDUCTOR_CACHE_DIR if set, else the harness's cache
+    (GRPO_PARITY_CACHE or ~/.cache/grpo_parity) under `inductor/`, so that a second run, in a new process or after
+    a reboot that empties /tmp (torch's own default), loads the compiled decode step and loss kernels from disk
+    instead of compiling them again (issue 29). Set before the first torch.compile; returns the folder."""
+    from harness.experiment.embedded import cache_root
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
 class CompileOnFirstCall:
     """`fn` compiled by torch.compile(fn, **options) (built at the first call). When that first, compiling call
     fails (inductor, triton or a C compiler may be missing), `fn` itself serves from then on, with the warning
@@ -293,6 +303,7 @@ class CompileOnFirstCall:
         import torch
 
         if self.compiled is None:
+            persistent_compile_cache()
             self.compiled = torch.compile(self.fn, **self.options)
         try:
             out = self.compiled(*args, **kwargs)
