@@ -16,6 +16,7 @@ Its choices are flags, so you can see what the harness says when they differ fro
     --lr, --adam-beta2, --weight-decay, --lr-schedule constant|linear   the optimizer's own values
     --clip-high C            the ratio's upper clip bound 1 + C (TRL: epsilon_high; it binds once the ratio leaves 1,
                              as with the spec's NUM_ITERATIONS > 1)
+    --reward-weights 1,1     its own weights for the reward functions' scores (TRL: reward_weights)
 The spec's NUM_ITERATIONS > 1 takes that many optimizer steps over each round, logp_old from a no-grad pass.
 Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
@@ -44,6 +45,7 @@ p.add_argument("--adam-beta2", type=float)
 p.add_argument("--weight-decay", type=float)
 p.add_argument("--lr-schedule", choices=("constant", "linear"))
 p.add_argument("--clip-high", type=float)
+p.add_argument("--reward-weights", type=lambda t: [float(w) for w in t.split(",")])
 p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
 args = p.parse_args()
@@ -142,7 +144,8 @@ for step in range(STEPS):
         batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
         model.train()
     per_func = torch.tensor([[math.nan if v is None else v for v in vals] for vals in batch["rewards"].values()])
-    rewards = (per_func.T * torch.tensor(batch["reward_weights"])).nansum(dim=1)  # a failed score counts 0
+    weights = args.reward_weights or batch["reward_weights"]
+    rewards = (per_func.T * torch.tensor(weights)).nansum(dim=1)  # a failed score counts 0
 
     # ---- 2. advantages: centred per group of G completions, scaled by the group's std ------------------------
     grouped = rewards.view(-1, G)

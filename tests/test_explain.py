@@ -374,3 +374,71 @@ def test_a_search_stopped_below_bf16_rounding_is_run_again_in_float32(tmp_path, 
     assert again.escalated_from["at_step"] == 4 and again.escalated_from["agree"] == 3
     assert again.escalated_from["loop_ignores_dtype"] is False  # the same step-1 loss in any dtype is no sign
     assert "re-run in float32" in escalated_words(again.escalated_from, "bfloat16")
+
+
+def test_reward_weights_are_fitted_from_each_functions_scores():
+    """Known answers: rewards = 2 * a + 0.5 * b gives [2, 0.5]; rewards no weighting gives, or scores that cannot
+    tell the weights apart (b a copy of a), give None. In the diff, rewards weighted otherwise are TRL's
+    reward_weights, an exact guess (it was 'TRL has no setting')."""
+    from harness.diagnose.tensordiff import diff, fit_reward_weights
+
+    a, b = [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]
+    rewards = [2 * x + 0.5 * y for x, y in zip(a, b)]
+    assert fit_reward_weights(rewards, {"a": a, "b": b}, 1e-6, 1e-6) == [2.0, 0.5]
+    assert fit_reward_weights([1.0, 0.0, 0.0, 1.0], {"a": a, "b": b}, 1e-6, 1e-6) is None  # xor: no weighting
+    assert fit_reward_weights(rewards, {"a": a, "b": list(a)}, 1e-6, 1e-6) is None
+    spec = load_spec(DEFAULT_SPEC, ["GROUP_SIZE=2", "GRAD_ACCUM=1"])  # weights [1.0, 0.5]
+    scores = {1: {"reward_correct": a, "reward_format": b}}
+    mine = {1: {"rewards": [x + y for x, y in zip(a, b)]}}
+    ref = {1: {"rewards": [x + 0.5 * y for x, y in zip(a, b)]}}
+    found = diff(mine, ref, spec, {1: [2] * 4}, [2], False, scores=scores)
+    assert found["first"]["tensor"] == "rewards" and found["first"]["exact"], found["first"]
+    assert found["guesses"][0] == {"rewards.weights": [1.0, 1.0]}
+    other = diff({1: {"rewards": [1.0, 0.0, 0.0, 1.0]}}, ref, spec, {1: [2] * 4}, [2], False, scores=scores)
+    assert not other["first"].get("exact") and other["first"]["trl_setting"].startswith("none")
+
+
+def test_a_loops_reward_weights_are_read_from_its_logged_reward(tmp_path):
+    """A loop that weighs the spec's two reward functions 1:1 (the spec 1:0.5; aburkov/theLMbook's GRPO.py adds its
+    two scores) is TRL with reward_weights = [1.0, 1.0], read from its logged mean reward, confirmed by TRL."""
+    doc, found = explained(tmp_path, "--reward-weights 1,1 --no-tensors")
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["fix"]["trl"] == {"reward_weights": [1.0, 1.0]} and found["fix"]["scratch"] == {}, found["fix"]
+    assert found["differences"][0]["read_from_log"] and found["confirmed_by"]["trl"] is True
+    assert "reward_weights = [1.0, 1.0]" in (tmp_path / "your_loop_in_trl.toml").read_text()
+
+
+def test_log_probs_parting_after_a_clean_step_are_checked_at_that_step(tmp_path):
+    """Weight decay 0.1 leaves step 1's tensors alone and moves step 2's log-probs. Each candidate for the first
+    update is checked at step 2, where it acts: at step 1 every candidate agrees, and the first of them (weight decay
+    0.01) was taken as exact."""
+    doc, found = explained(tmp_path, "--weight-decay 0.1")
+    first = found["tensor_diff"]["first"]
+    assert (first["step"], first["tensor"]) == (2, "logps"), first
+    assert first.get("exact") and first["candidates"] == [{"WEIGHT_DECAY": 0.1}], first
+    assert found["status"] == "confirmed" and found["fix"]["trl"] == {"weight_decay": 0.1}, found["fix"]
+
+
+def test_old_log_probs_equal_to_the_current_ones_are_not_named():
+    """A loop that saves old log-probs from an extra pass at the same weights (equal to its log-probs) takes what
+    TRL takes: no 'a pass of their own' link; old log-probs that differ still are one."""
+    from harness.diagnose.tensordiff import diff
+
+    spec = load_spec(DEFAULT_SPEC, ["GROUP_SIZE=2", "GRAD_ACCUM=1"])
+    logps = [[-1.0, -2.0], [-0.5, -0.25]]
+    ref = {1: {"rewards": [1.0, 0.0], "logps": logps}}
+    same = diff({1: {**ref[1], "old_logps": logps}}, ref, spec, {1: [2, 2]}, [2], False)
+    assert not any(c.get("only_yours") for c in same["chain"])
+    apart = diff({1: {**ref[1], "old_logps": [[-1.0, -2.5], [-0.5, -0.25]]}}, ref, spec, {1: [2, 2]}, [2], False)
+    assert any(c.get("only_yours") and c["tensor"] == "old_logps" for c in apart["chain"])
+
+
+def test_clip_thresholds_that_reproduce_the_loop_alike_are_all_named():
+    """Known answer: logged norms 0.007, 0.58, 0.9, 2.0; 0.1 and 0.5 both reproduce the loop (theLMbook's clips at
+    0.1; the search keeps 0.5): both named, with the steps each clips, and which one the table holds."""
+    from harness.diagnose.explain import clip_alike_words
+
+    said = clip_alike_words(0.5, [0.1], [0.9, 0.007, 2.0, 0.58], 30)
+    assert said.startswith("max_grad_norm: 0.1 and 0.5 each reproduce your loop over all 30 steps"), said
+    assert "of the 4 your loop logged: 0.1: 3, 0.5: 3" in said and said.endswith("the table says 0.5"), said
+    assert "0: 0, 0.1: 3" in clip_alike_words(0.1, [0.0], [0.9, 0.007, 2.0, 0.58], 30)

@@ -48,7 +48,7 @@ from pathlib import Path
 from harness.diagnose import noise
 from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.tensordiff import words as tensor_words
+from harness.diagnose.tensordiff import CLIP_NORMS, words as tensor_words
 from harness.runlog.atomic import atomic_write_text
 
 MAX_FIELDS = 10
@@ -101,7 +101,7 @@ def options(spec, logged: set[str]) -> list[Option]:
     if "learning_rate" not in logged:  # else read from the log (settings_from_log), not searched
         out += [Option("LR", v, 2) for v in LR_VALUES if not math.isclose(v, spec.LR, rel_tol=1e-9)]
     out += [Option("WEIGHT_DECAY", v, 2) for v in (0.0, 0.01, 0.1) if v != spec.WEIGHT_DECAY]
-    out += [Option("MAX_GRAD_NORM", v, 2) for v in (0.0, 1.0, 0.5) if v != spec.MAX_GRAD_NORM]
+    out += [Option("MAX_GRAD_NORM", v, 2) for v in CLIP_NORMS if v != spec.MAX_GRAD_NORM]
     out += [Option("ADAM_EPS", v, 2) for v in (1e-6, 1e-5) if v != spec.ADAM_EPS]
     out += [Option("ADAM_BETA2", v, 3) for v in (0.999, 0.99, 0.98, 0.95, 0.9) if v != spec.ADAM_BETA2]
     out += [Option("ADAM_BETA1", v, 3) for v in (0.9, 0.0) if v != spec.ADAM_BETA1]
@@ -180,6 +180,7 @@ _WORDS = {
     "EOS_ATTENTION": lambda v: ("masks every eos token (the prompt's too) out of attention, positions counting only "
                                 "attended tokens: its pad token is its eos" if v == "mask" else "attends to eos tokens"),
     "LOGP_ON_RAW_LOGITS": lambda v: "takes log-probs of the raw logits (TRL: logits / temperature)",
+    "rewards.weights": lambda v: f"weighs the reward functions {toml_value(list(v))}",
 }
 
 
@@ -237,6 +238,47 @@ def settings_from_log(yours, spec) -> tuple[dict, list[str]]:
             + f" (the spec: {spec.LR:g}, {spec.LR_SCHEDULE}" + (f", warmup {spec.WARMUP_STEPS}" if spec.WARMUP_STEPS else "")
             + ")")
     return changes, said
+
+
+def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[dict, list[str]]:
+    """The reward functions' weights your loop's logged `reward` (each step's mean total reward) states: fitted over
+    the steps to each round's mean score per function (from your loop's rollouts file), where the spec's weights
+    do not give it and other weights do exactly (TRL's `reward_weights`). A loop with reward code of its own, or
+    that logs another mean, fits no weights and is left to the tensor diff and the search."""
+    from harness.diagnose.tensordiff import fit_reward_weights
+
+    per_round = spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS
+    if "reward" not in yours.columns or not scores_by_round or spec.STEPS_PER_GENERATION > 1:
+        return {}, []  # (a step of a round's slice logs its slice's mean: not the round's)
+    logged = yours["reward"].dropna().astype(float)
+    steps = [int(s) for s in logged.index if (int(s) - 1) // per_round < len(scores_by_round)]
+    means = {name: [] for name in scores_by_round[0]}
+    for step in steps:
+        for name in means:
+            vals = [v for v in scores_by_round[(step - 1) // per_round].get(name, []) if v is not None]
+            means[name].append(sum(vals) / len(vals) if vals else None)
+    w = fit_reward_weights([float(logged[s]) for s in steps], means, atol=1e-5, rtol=1e-4)
+    spec_w = [float(v) for v in spec.rewards.weights]
+    if w is None or all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(w, spec_w)):
+        return {}, []
+    said = words("rewards.weights", w).removeprefix("your loop ")
+    return {"rewards.weights": w}, [f"read from your loop's logged reward over {len(steps)} steps: {said} (the spec: "
+                                    f"{spec_w})"]
+
+
+def clip_alike_words(found: float, alike: list[float], norms: list[float], steps: int) -> str:
+    """Said when other gradient-clipping thresholds (`alike`, each run over every step) reproduce your loop as well
+    as the one the table names: the run cannot tell them apart. With your loop's logged (pre-clip) gradient norms,
+    how many steps each clips: a threshold below a step's norm scales that step's gradient, which Adam's
+    normalisation all but cancels."""
+    values = sorted({found, *alike})
+    named = ", ".join(f"{v:g}" for v in values[:-1]) + f" and {values[-1]:g}"
+    text = f"max_grad_norm: {named} each reproduce your loop over all {steps} steps, so the run cannot tell which it has"
+    if norms:
+        clips = ", ".join(f"{v:g}: {sum(n > v for n in norms) if v > 0 else 0}" for v in values)
+        text += (f" (steps each clips, of the {len(norms)} your loop logged: {clips}; Adam all but cancels the scale "
+                 "of a clipped gradient)")
+    return text + f"; the table says {found:g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,7 +617,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     written table where no quirk is left, match your loop at every step; `suspected` otherwise)."""
     from harness.diagnose.compare import load_any_run
     from harness.diagnose.pairs import compare_sides
-    from harness.rollouts.lockstep import ROLLOUTS_FILE, ReplaySource
+    from harness.diagnose.tensordiff import round_scores
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
 
     t0 = time.perf_counter()
     cell_dir = Path(cell_dir)
@@ -589,6 +632,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     spec_dtype = spec.DTYPE
     base = scratch_as_trl(spec)
     read, said = settings_from_log(yours, base)
+    weights, weights_said = reward_weights_from_log(yours, base, round_scores(cell_dir / LOOP_ROLLOUTS_FILE))
+    read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
     outside_first = sorted(m for m, v in result.get("metrics", {}).items()
                            if isinstance(v, dict) and v.get("first_outside") == fd.get("step"))
@@ -618,6 +663,13 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     quirks = {k: v for k, v in changes.items() if not trl_fields(base, {k: v})}
     differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
                     "read_from_log": k in read, "from_tensors": k in from_tensors} for k, v in changes.items()]
+    if "MAX_GRAD_NORM" in changes and state.agree >= search.steps:  # which other thresholds do as well?
+        found_at = changes["MAX_GRAD_NORM"]
+        alike = [v for v in CLIP_NORMS if v != found_at
+                 and search.whole({**changes, "MAX_GRAD_NORM": v}).agree >= search.steps]
+        if alike:
+            norms = yours["grad_norm"].dropna().astype(float).tolist() if "grad_norm" in yours.columns else []
+            notes.append(clip_alike_words(found_at, alike, norms, search.steps))
     cost = {"runs": search.runs, "steps": search.steps_run, "seconds": round(search.seconds, 1)}
     entry = {"cause": "+".join(sorted(trl) + sorted(quirks)) or "your loop", "fields": sorted(trl),
              "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
@@ -770,7 +822,8 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
 def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:
     """The tensor diff, where your loop saved tensors (harness.loop.tensors): the built-in loop, set up as TRL, saves
     the same steps' tensors on the same rollouts, and the first link of the chain that differs is named."""
-    from harness.diagnose.tensordiff import chain_facts, diff
+    from harness.diagnose.tensordiff import chain_facts, diff, round_scores
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
     from harness.runlog.tensors import TENSORS_FILE, read_tensors
 
     mine = read_tensors(yours_dir / TENSORS_FILE)
@@ -784,18 +837,23 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
         return None
     steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
     ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
-    facts = chain_facts(spec, records)
+    facts = chain_facts(spec, records, round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE))
     lengths = {s: n for s, n in facts["lengths"].items() if s in ref}
     ends = {s: e for s, e in facts["ends_with_eos"].items() if s in lengths}
     eos, has_eos, atol, rtol = facts["eos_ids"], facts["prompts_have_eos"], facts["atol"], facts["rtol"]
-    found = diff(mine, ref, search.base, lengths, eos, has_eos, atol, rtol, ends)
-    for link in (found or {}).get("chain", []):  # a forward pass that differs on its own: which switch gives yours?
+    found = diff(mine, ref, search.base, lengths, eos, has_eos, atol, rtol, ends, facts["scores"])
+    # a forward pass that differs on its own: which switch gives yours? Checked at the step the chain belongs to
+    # (log-probs that part after a clean step are the first update's: a candidate acting through it shows at step 2,
+    # and at step 1 every candidate would agree)
+    at = (found or {}).get("first", {}) or {}
+    at = at.get("step", min(mine))
+    for link in (found or {}).get("chain", []):
         if link["tensor"] in ("logps", "ref_logps") and link.get("independent") and link.get("candidates"):
             for cand in link["candidates"]:
-                again = read_tensors(search.tensors({**start, **cand}, 1) / TENSORS_FILE)
-                check = diff({1: {link["tensor"]: mine[min(mine)][link["tensor"]]}},
-                             {1: {link["tensor"]: again.get(1, {}).get(link["tensor"])}}, search.base,
-                             {1: lengths.get(min(mine), [])}, eos, has_eos, atol, rtol)
+                again = read_tensors(search.tensors({**start, **cand}, at) / TENSORS_FILE)
+                check = diff({at: {link["tensor"]: mine.get(at, {}).get(link["tensor"])}},
+                             {at: {link["tensor"]: again.get(at, {}).get(link["tensor"])}}, search.base,
+                             {at: lengths.get(at, [])}, eos, has_eos, atol, rtol)
                 if check is not None and check.get("first") is None:
                     names = ", ".join(f"{k} = {v!r}" for k, v in cand.items())
                     link.update(exact=True, candidates=[cand], how=f"{link['how']}; with {names} the built-in loop's "

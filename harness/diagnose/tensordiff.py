@@ -104,11 +104,12 @@ def _where(a, b, group: int, atol: float, rtol: float) -> dict | None:
 
 def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, list[int]], eos_ids: list[int],
          prompts_have_eos: bool, atol: float = 1e-5, rtol: float = 1.3e-6,
-         ends_with_eos: dict[int, list[bool]] | None = None) -> dict | None:
+         ends_with_eos: dict[int, list[bool]] | None = None,
+         scores: dict[int, dict[str, list[float]]] | None = None) -> dict | None:
     """The first differing link of the chain. `yours`, `ref`: {step: {tensor: value}} (read_tensors);
     `lengths`: {step: each completion's length}; `ends_with_eos`: {step: whether each completion ends with an eos}
-    (without it a mask one token short is not named the eos); returns None when your loop saved no tensor both
-    sides have."""
+    (without it a mask one token short is not named the eos); `scores`: {step: each reward function's scores} (for
+    rewards weighted otherwise); returns None when your loop saved no tensor both sides have."""
     steps = sorted(set(yours) & set(ref))
     chain_at: list[dict] = []
     for step in steps:
@@ -122,7 +123,7 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
             if name not in a or name not in b:
                 status[name] = "not saved" if name not in a else "not on this side"
                 link = {"tensor": name, "status": status[name]}
-                if name in a and name in ONLY_YOURS and step == steps[0]:
+                if name in a and name in ONLY_YOURS and step == steps[0] and not _old_is_current(a, n, spec, atol, rtol):
                     link["how"], link["candidates"] = ONLY_YOURS[name]
                     link["only_yours"] = True
                 chain_at.append(link)
@@ -139,7 +140,7 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
                 continue
             status[name] = "differs"
             how = _explain(name, a, b, spec, n, eos_ids, prompts_have_eos, atol, rtol,
-                           (ends_with_eos or {}).get(step))
+                           (ends_with_eos or {}).get(step), (scores or {}).get(step))
             upstream = [d for d in DEPENDS[name] if status.get(d) == "differs"]
             if upstream and not how.get("exact"):  # what it is computed from differs: most likely a consequence
                 how = {"how": f"follows from {', '.join(upstream)} before it in the chain", "candidates": []}
@@ -157,10 +158,19 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
     return {"first": None, "chain": chain_at, "steps": steps}
 
 
-def chain_facts(spec, records: list[dict]) -> dict:
+def _old_is_current(a: dict, lengths, spec, atol: float, rtol: float) -> bool:
+    """Your loop's old log-probs are its current ones (an extra pass at the same weights, or the same ones saved
+    twice): what TRL takes too, so nothing to name."""
+    if "old_logps" not in a or "logps" not in a:
+        return False
+    return _where(_rows(a["old_logps"], lengths), _rows(a["logps"], lengths), spec.GROUP_SIZE, atol, rtol) is None
+
+
+def chain_facts(spec, records: list[dict], scores_by_round: list[dict] | None = None) -> dict:
     """What the diff needs besides the tensors, from the lockstep rollouts both sides trained on: each step's
-    completion lengths and whether each ends with an eos, the eos ids, whether a prompt holds an eos, and the
-    tolerance of the spec's dtype."""
+    completion lengths and whether each ends with an eos, the eos ids, whether a prompt holds an eos, the
+    tolerance of the spec's dtype, and (given `scores_by_round`, from your loop's rollouts file: `round_scores`)
+    each step's reward functions' scores."""
     from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
 
     per_round = spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS
@@ -171,8 +181,22 @@ def chain_facts(spec, records: list[dict]) -> dict:
     ends = {s: [bool(c) and c[-1] in eos for c in records[(s - 1) // per_round]["completion_ids"]] for s in steps}
     has_eos = any(t in eos for ids in records[0]["prompt_ids"] for t in ids) if records else False
     atol, rtol = (1e-5, 1.3e-6) if spec.DTYPE == "float32" else (1e-2, 1.6e-2)
+    scores = {s: scores_by_round[(s - 1) // per_round] for s in steps
+              if scores_by_round and (s - 1) // per_round < len(scores_by_round)}
     return {"lengths": lengths, "eos_ids": eos, "ends_with_eos": ends, "prompts_have_eos": has_eos,
-            "atol": atol, "rtol": rtol}
+            "atol": atol, "rtol": rtol, "scores": scores}
+
+
+def round_scores(path) -> list[dict[str, list]]:
+    """Each round's reward-function scores ({function: [score per completion]}) from your loop's rollouts file
+    (loop_rollouts.jsonl, `write_loop_rollouts`); [] where there is none."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line).get("rewards") or {} for line in path.read_text().splitlines() if line.strip()]
 
 
 def diff_runs(spec, yours_dir, ref_dir, records: list[dict]) -> dict | None:
@@ -200,12 +224,47 @@ def guesses_of(chain: list[dict], first: dict) -> list[dict]:
     return out
 
 
-def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, ends=None) -> dict:
+# gradient-norm clipping thresholds tried (0: none; hand-written loops often clip at 0.1 or 0.2, TRL at 1.0). Under
+# Adam a threshold below every step's norm only rescales the whole gradient, which Adam all but cancels: such
+# thresholds cannot be told apart, and the verdict says the loop clips, not at which of them
+CLIP_NORMS = (0.0, 0.1, 0.2, 0.5, 1.0)
+
+
+def fit_reward_weights(rewards: list[float], scores: dict[str, list[float]], atol: float, rtol: float) -> list | None:
+    """The weights w with rewards = sum_k w_k * scores[k] (each completion's total from the spec's reward functions'
+    scores, in the spec's order), fitted by least squares and rounded to 4 significant digits; None when no weights
+    give `rewards` within atol + rtol * |reward| (your loop scores otherwise), or when the scores cannot tell the
+    weights apart (a function scoring like another, or too few completions)."""
+    import torch
+
+    columns = list(scores.values())
+    if not columns or not rewards or any(len(c) != len(rewards) for c in columns):
+        return None
+    keep = [i for i, r in enumerate(rewards) if r == r and all(c[i] is not None for c in columns)]  # no NaN score
+    x = torch.tensor([[c[i] for c in columns] for i in keep], dtype=torch.float64).reshape(len(keep), len(columns))
+    y = torch.tensor([rewards[i] for i in keep], dtype=torch.float64)
+    if int(torch.linalg.matrix_rank(x)) < len(columns):
+        return None
+    w = [float(f"{v:.4g}") for v in torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()]
+    fit = x @ torch.tensor(w, dtype=torch.float64)
+    return w if bool(((fit - y).abs() <= atol + rtol * y.abs()).all()) else None
+
+
+def _rewards(a, spec, atol, rtol, scores) -> dict:
+    """Your loop's rewards: the spec's reward functions weighted otherwise (TRL's reward_weights), or other code."""
+    w = fit_reward_weights(_flat(a.get("rewards")), scores or {}, atol, rtol)
+    if w is not None and w != [float(v) for v in spec.rewards.weights]:
+        return {"how": f"your loop weighs the reward functions ({', '.join(scores)}) {w} where the spec weighs them "
+                       f"{list(spec.rewards.weights)}", "candidates": [{"rewards.weights": w}], "exact": True}
+    return {"how": "your loop scores the same completions otherwise (its own reward code: no weighting of the spec's "
+                   "reward functions gives its rewards)", "candidates": [],
+            "trl_setting": "none: use the spec's reward functions in your loop, or name yours in [rewards] functions"}
+
+
+def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, ends=None, scores=None) -> dict:
     """How the first differing tensor differs, and what would make the built-in loop do the same."""
     if name == "rewards":
-        return {"how": "your loop scores the same completions otherwise (its own reward code, or other weights)",
-                "candidates": [], "trl_setting": "none: use the spec's reward functions in your loop, or name yours in "
-                                                 "[rewards] functions"}
+        return _rewards(a, spec, atol, rtol, scores)
     if name == "advantages":
         return _advantages(a, b, spec, atol, rtol)
     if name == "mask":
@@ -213,7 +272,9 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, e
     if name in ("logps", "old_logps", "ref_logps") and b.get("_after_clean_step"):
         return {"how": "the log-probs part after a step whose tensors all agreed: the first update differs (the "
                        "learning rate, weight decay, Adam's epsilon, clipping, a KL term's gradient)",
-                "candidates": [{"WEIGHT_DECAY": 0.01}, {"ADAM_EPS": 1e-6}, {"MAX_GRAD_NORM": 0.0}]}
+                "candidates": [*({"WEIGHT_DECAY": v} for v in (0.01, 0.1) if v != spec.WEIGHT_DECAY),
+                               *({"MAX_GRAD_NORM": v} for v in CLIP_NORMS if v != spec.MAX_GRAD_NORM),
+                               *({"ADAM_EPS": v} for v in (1e-6, 1e-5) if v != spec.ADAM_EPS)]}
     if name in ("logps", "old_logps", "ref_logps"):
         cands = []
         if prompts_have_eos:
@@ -240,7 +301,7 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, e
                        "gradient (a KL term multiplied by the policy ratio, which is 1 in value: "
                        "use_bias_correction_kl), a factor on a loss whose value is near 0 (as at a ratio of 1), or "
                        "the gradient's clipping",
-                "candidates": cands + [{"MAX_GRAD_NORM": g} for g in (0.0, 0.5, 1.0) if g != spec.MAX_GRAD_NORM]}
+                "candidates": cands + [{"MAX_GRAD_NORM": g} for g in CLIP_NORMS if g != spec.MAX_GRAD_NORM]}
     return {"how": "differs", "candidates": []}
 
 
