@@ -408,6 +408,21 @@ def test_a_loops_reward_weights_are_read_from_its_logged_reward(tmp_path):
     assert "reward_weights = [1.0, 1.0]" in (tmp_path / "your_loop_in_trl.toml").read_text()
 
 
+def test_a_logged_reward_that_is_the_spec_weights_times_a_factor_is_not_read_as_weights():
+    """A loop that logs the sum of its rewards (16x the mean) fits weights 16 x [1, 0.5]: that is how it logs, not
+    how it weighs (group-scaled advantages ignore the factor); other proportions are weights."""
+    from harness.diagnose.explain import reward_weights_from_log
+
+    spec = load_spec(DEFAULT_SPEC)  # weights [1.0, 0.5]
+    rounds = [{"reward_correct": [1.0, 0.0, 1.0, 1.0], "reward_format": [1.0, 1.0, 0.0, 1.0]},
+              {"reward_correct": [0.0, 0.0, 1.0, 0.0], "reward_format": [1.0, 1.0, 1.0, 1.0]}]
+    means = [(sum(r["reward_correct"]) / 4, sum(r["reward_format"]) / 4) for r in rounds]
+    summed = pd.DataFrame({"reward": [16 * (c + 0.5 * f) for c, f in means]}, index=[1, 2])
+    assert reward_weights_from_log(summed, spec, rounds) == ({}, [])
+    other = pd.DataFrame({"reward": [c + f for c, f in means]}, index=[1, 2])
+    assert reward_weights_from_log(other, spec, rounds)[0] == {"rewards.weights": [1.0, 1.0]}
+
+
 def test_log_probs_parting_after_a_clean_step_are_checked_at_that_step(tmp_path):
     """Weight decay 0.1 leaves step 1's tensors alone and moves step 2's log-probs. Each candidate for the first
     update is checked at step 2, where it acts: at step 1 every candidate agrees, and the first of them (weight decay

@@ -261,6 +261,9 @@ def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[d
     spec_w = [float(v) for v in spec.rewards.weights]
     if w is None or all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(w, spec_w)):
         return {}, []
+    scale = [a / b for a, b in zip(w, spec_w) if b]
+    if len(scale) == len(w) and all(math.isclose(c, scale[0], rel_tol=1e-4) for c in scale):
+        return {}, []  # the spec's weights times one factor: a logged sum, or a mean over other counts, not weights
     said = words("rewards.weights", w).removeprefix("your loop ")
     return {"rewards.weights": w}, [f"read from your loop's logged reward over {len(steps)} steps: {said} (the spec: "
                                     f"{spec_w})"]
