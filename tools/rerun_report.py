@@ -29,12 +29,10 @@ def main(matrix_dir: str, cell: str) -> int:
         keep = {k: d.get(k) for k in ("status", "evidence", "rerun_first_divergence", "rerun_outside", "rerun_error")
                 if d.get(k) is not None}
         print(f"  {d['cause']}: {json.dumps(keep, default=str)[:600]}")
-        walk = d.get("tensor_diff") or {}
-        if walk:  # the unexplained cell walked tensor by tensor (attribution._walk_tensors)
-            print(f"  tensor walk: {walk.get('words')}")
-            for link in walk.get("chain", []):
-                print(f"    {link.get('tensor')}: {link.get('status')} {json.dumps(link.get('where'))[:200]} "
-                      f"{(link.get('how') or '')[:200]}")
+        if d.get("tensor_diff") or d.get("tensor_diff_error"):  # the tensor walk (attribution._walk_tensors)
+            print(f"  tensor walk: {json.dumps(d.get('tensor_diff'), default=str)[:1500]} "
+                  f"{d.get('tensor_diff_error') or ''}")
+            print(f"  evidence: {d.get('evidence', '')[-1200:]}")
     cell_dir = Path(entry["dir"]) if Path(entry["dir"]).exists() else root / Path(entry["dir"]).name
     for rerun in sorted(cell_dir.glob("aligned-*")):
         print(f"\nre-run {rerun.name}:")
