@@ -21,7 +21,9 @@ has tests && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cor
 has decode && timeout "${DECODE_LIMIT:-300}" python3 tools/decode_bench.py --long 512 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
 has profile && timeout 200 python3 tools/train_profile.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/train_profile.log"
 # LOCK_RUNS=2: the same lockstep pair again in a new process, its compiled kernels read back from the on-disk
-# cache the first run filled (GRPO_PARITY_CACHE/inductor): the second run's wall is what a user sees from then on
+# cache the first run filled (GRPO_PARITY_CACHE/inductor, the switch below): the second run's wall is what a user sees
+# from then on
+export GRPO_PARITY_COMPILE_CACHE=harness
 for run in $(seq 1 "${LOCK_RUNS:-1}"); do
   has lockstep || break
   t0=$(date +%s)

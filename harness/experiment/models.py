@@ -273,11 +273,15 @@ def run_label(spec, device: str, ckpt: str | Path | None = None) -> dict:
             "text": text}
 
 
-def persistent_compile_cache() -> str:
-    """Where torch.compile keeps what it built: TORCHINDUCTOR_CACHE_DIR if set, else the harness's cache
-    (GRPO_PARITY_CACHE or ~/.cache/grpo_parity) under `inductor/`, so that a second run, in a new process or after
-    a reboot that empties /tmp (torch's own default), loads the compiled decode step and loss kernels from disk
-    instead of compiling them again (issue 29). Set before the first torch.compile; returns the folder."""
+def persistent_compile_cache() -> str | None:
+    """Where torch.compile keeps what it built, behind a switch until a GPU run checks it (issue 29): with
+    GRPO_PARITY_COMPILE_CACHE=harness (and no TORCHINDUCTOR_CACHE_DIR of the user's) the harness's cache
+    (GRPO_PARITY_CACHE or ~/.cache/grpo_parity) under `inductor/`, so that a run after a reboot that empties /tmp
+    (torch's own default, which already serves later processes until then) loads the compiled decode step and loss
+    kernels from disk instead of compiling them again. Set before the first torch.compile; returns the folder, or
+    None where torch's default stands."""
+    if os.environ.get("GRPO_PARITY_COMPILE_CACHE") != "harness":
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     from harness.experiment.embedded import cache_root
 
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
