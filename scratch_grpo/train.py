@@ -116,7 +116,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     schedule = prompt_schedule(len(rows), rounds, P * S, spec.SEED)
     reward_names = list(spec.rewards.functions)
     reward_fns = reward_functions(spec)  # built-in, or the user's own: the objects TRL's side calls too
-    reward_w = torch.tensor(spec.rewards.weights, dtype=torch.float32)
+    # the rewards, their group statistics and the advantages live on the training device, as TRL's do: a group whose
+    # rewards are all equal has its mean rounded by the device's own reduction, and 1e-4 in the denominator turns a
+    # one-ulp residual into advantages of ~1e-3 on one side and 0 on the other (an H100 run, issue 28)
+    reward_w = torch.tensor(spec.rewards.weights, dtype=torch.float32, device=device)
 
     # emulated: a stated stand-in for vLLM; vllm: colocated, as TRL's colocate mode (lockstep: the source samples)
     sampler = make_sampler(spec, model, eos_ids, pad_id, device) if rollout_source is None else None
@@ -177,11 +180,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             metric_sink: dict[str, list[float]] = {}
             log_metric = lambda name, value: metric_sink.setdefault(name, []).append(value)  # noqa: E731
             columns = {k: [row[k] for row in seq_rows] for k in seq_rows[0] if k != "prompt"}
-            rewards_per_func = torch.zeros(N, len(reward_fns))
+            rewards_per_func = torch.zeros(N, len(reward_fns), device=device)
             for j, (name, fn) in enumerate(zip(reward_names, reward_fns)):
                 out = call_reward(fn, [row["prompt"] for row in seq_rows], completions, completion_ids, columns, step,
                                   spec.STEPS, log_metric)
-                rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N))
+                rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N), device=device)
             rewards = (rewards_per_func * reward_w).nansum(dim=1)
             rewards = core.shape_rewards(rewards, spec.REWARD_CLIP)  # a quirk when > 0: TRL takes the sum as it is
             advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
@@ -218,7 +221,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             ref_logps = no_grad_logps(ref_model) if ref_model is not None else None
             if ref_logps is not None and spec.KL_IN_REWARD:  # a quirk: the KL penalty in the reward, not the loss
                 now = logp_old if logp_old is not None else no_grad_logps(model)
-                seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1).cpu()
+                seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1)
                 rewards = core.shape_rewards(rewards, seq_kl=seq_kl, beta=spec.BETA)
                 advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
                                                              spec.STD_EPS_INSIDE)
@@ -307,9 +310,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                                                    reward_names, reward_fns, std_used, G, metric_sink))
                     row.update(_mismatch_metrics(mismatch))
                     row["num_tokens"] = tokens_seen
+                    adv_list, per_func = advantages.tolist(), rewards_per_func.tolist()
                     writer.log_completions(step, [
-                        {"prompt": seq_rows[i]["prompt"], "completion": completions[i], "advantage": float(advantages[i]),
-                         "rewards": {fn.__name__: float(rewards_per_func[i, j]) for j, fn in enumerate(reward_fns)}}
+                        {"prompt": seq_rows[i]["prompt"], "completion": completions[i], "advantage": adv_list[i],
+                         "rewards": {fn.__name__: per_func[i][j] for j, fn in enumerate(reward_fns)}}
                         for i in range(min(N, COMPLETIONS_PER_STEP))])
                 used, used_tokens = idx, generated_tokens
                 if S > 1:  # what this step consumed: its slice of the round (a prompt once per completion, in order)

@@ -83,3 +83,20 @@ def test_deterministic_switch_gives_identical_reruns_on_gpu(tmp_path):
     train(spec, tmp_path / "b", progress=False)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
     assert strip(read_metrics(tmp_path / "a" / "metrics.jsonl")[0]) == strip(read_metrics(tmp_path / "b" / "metrics.jsonl")[0])
+
+
+def test_group_statistics_on_the_training_device_on_gpu(tmp_path, monkeypatch):
+    """The scratch loop takes rewards, group means and stds where TRL does, on the training device: a group whose
+    rewards are all equal has its mean rounded by that device's reduction, and the 1e-4 in the denominator turns a
+    one-ulp residual into advantages of ~1e-3 on one side and exactly 0 on the other (an H100 is=sequence_mask
+    cell's aligned re-run parted at step 9 on loss and frac_reward_zero_std while the scratch loop did this on
+    the CPU). The same formula's bits: tests/test_core.py."""
+    from scratch_grpo import core
+    from scratch_grpo.train import train
+
+    seen = []
+    real = core.group_advantages
+    monkeypatch.setattr(core, "group_advantages", lambda rewards, *a, **k: seen.append(rewards.device) or real(
+        rewards, *a, **k))
+    train(small_spec("STEPS=2", 'DEVICE="cuda"', 'DTYPE="bfloat16"'), tmp_path / "s", progress=False)
+    assert seen and all(d.type == "cuda" for d in seen), seen
