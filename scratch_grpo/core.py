@@ -22,14 +22,17 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 # rewards -> advantages
 # ---------------------------------------------------------------------------------------------
 def nanstd(x: torch.Tensor, dim: int | None = None, unbiased: bool = True, keepdim: bool = False) -> torch.Tensor:
-    """Std ignoring NaN; Bessel-corrected (n-1) when `unbiased`, else the population std (n)."""
+    """Std ignoring NaN; Bessel-corrected (n-1) when `unbiased`, else the population std (n). In TRL's order of
+    operations (trl.trainer.utils.nanstd: the mean square, then times n / (n - 1)), so that the two loops' group
+    stds agree to the bit: a std that differs in its last bit moves every advantage of the group."""
     if dim is None:
         x, dim = x.reshape(-1), 0
     mean = torch.nanmean(x, dim=dim, keepdim=True)
-    sq = (x - mean).pow(2)
-    n = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim).to(x.dtype)
-    total = torch.nansum(sq, dim=dim, keepdim=keepdim)
-    return torch.sqrt(total / (n - 1 if unbiased else n))
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=keepdim)
+    if unbiased:
+        n = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim)
+        variance = variance * (n / (n - 1))  # one value: 0 x inf = NaN, as TRL (and as n - 1 = 0 before)
+    return torch.sqrt(variance)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
