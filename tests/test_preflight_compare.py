@@ -38,6 +38,15 @@ def test_each_difference_is_labelled(override, label):
     assert (got == []) if label is None else (label in got and got[0] == label), got
 
 
+def test_a_learning_rate_at_the_same_schedule_is_named_learning_rate():
+    """TRL's learning_rate x1.02 on the spec's own schedule differs at the first step and the last, and both are the
+    learning rate (an H100 run named the last one lr_scheduler_type, which both sides had alike); a schedule of
+    another shape is still the scheduler."""
+    lr = small_spec().LR
+    assert set(checks(small_spec(f"trl.learning_rate={lr * 1.02}"))) == {"other:learning_rate"}
+    both = set(checks(small_spec(f"trl.learning_rate={lr * 1.02}", 'trl.lr_scheduler_type="linear"')))
+    assert both == {"other:learning_rate", "other:lr_scheduler_type"}, both
+
 def test_is_difference_needs_a_sampler():
     spec = small_spec('sampler.kind="emulated"', "trl.vllm_importance_sampling_correction=true")
     assert set(checks(spec)) == {"importance_sampling"}  # on/off, and the mode it then uses

@@ -181,8 +181,12 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
     lr_fields = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "lr_scheduler_kwargs")
     q["lr at first step"] = (s_lr[0], t_lr[0], ("LR", "WARMUP_STEPS", *lr_fields), "other:learning_rate",
                              trl_override(*lr_fields))
-    q["lr at last step"] = (s_lr[1], t_lr[1], ("LR", "LR_SCHEDULE", *lr_fields), "other:lr_scheduler_type",
-                            trl_override(*lr_fields))
+    # the last step's lr is the schedule's doing only where the schedules' shapes differ: the same shape at another
+    # peak (TRL's learning_rate x1.02) is the learning rate at both ends, and named so (an H100 run named it
+    # lr_scheduler_type, a field both sides had alike)
+    same_shape = bool(s_lr[0] and t_lr[0]) and math.isclose(s_lr[1] / s_lr[0], t_lr[1] / t_lr[0], rel_tol=1e-9)
+    last_check = "other:learning_rate" if s_lr[0] != t_lr[0] and same_shape else "other:lr_scheduler_type"
+    q["lr at last step"] = (s_lr[1], t_lr[1], ("LR", "LR_SCHEDULE", *lr_fields), last_check, trl_override(*lr_fields))
     other("adam beta1", spec.ADAM_BETA1, kw["adam_beta1"], "adam_beta1", "ADAM_BETA1")
     other("adam beta2", spec.ADAM_BETA2, kw["adam_beta2"], "adam_beta2", "ADAM_BETA2")
     other("adam epsilon", spec.ADAM_EPS, kw["adam_epsilon"], "adam_epsilon", "ADAM_EPS")
