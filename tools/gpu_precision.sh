@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 28 on the GPU: settings that bf16 hides, each run as a one-cell parity (--matrix none) on the Qwen3-0.6B-shaped
 # model (harness/specs/gpu-qwen3-lengths.toml: bf16 autocast over fp32 masters, lr 1e-6, adam_beta2 0.98), with
-# FLOAT32_CHECK = "on" (on a GPU `auto` leaves it off until this has run), so that the cell escalates to a float32 pair (harness/diagnose/precision.py) and says what float32 found and after how many
+# FLOAT32_CHECK = "on" (the default `auto` does the same since this ran on an H100), so that the cell escalates to a float32 pair (harness/diagnose/precision.py) and says what float32 found and after how many
 # steps the difference would leave the bf16 bound. Wheels from ../shared/tools/device-wheels.sh in .whl (carried).
 #   bash tools/gpu_precision.sh                                   # CASES below, STEPS=6 each
 #   CASES="beta2-30|trl.adam_beta2=0.9" STEPS=30 bash tools/gpu_precision.sh   # a longer bf16 run: checks an estimate

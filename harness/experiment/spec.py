@@ -274,8 +274,8 @@ class Spec:
                         choices=("calibrated", "static"))
     FLOAT32_CHECK: str = _f("auto", "A cell that the preflight says should part but stays at parity in bf16 runs the "
                             "same pair again in float32 before it says it cannot show the difference "
-                            "(harness/diagnose/precision.py). `auto`: on a CPU; not yet on a GPU, where this pair has "
-                            "not been checked (issue 28): `on` turns it on there too. `off`: never.",
+                            "(harness/diagnose/precision.py). `auto` and `on`: on CPU and GPU (checked on an H100, "
+                            "docs/benchmarks.md). `off`: never (a bf16 no-effect is then \"cannot show here\" at once).",
                             choices=("auto", "on", "off"))
     FREE_SEEDS: int = _f(3, "Free-run parity (--mode free): seeds per side (SEED, SEED+1, ...). More seeds lower the "
                          "noise floor the sides are compared against; lockstep ignores it.", min=2, max=64)
