@@ -298,10 +298,10 @@ def test_tensorboard_event_folders_are_read_through_tensorboard(tmp_path):
     assert frame["loss"].to_dict() == {1: 0.5, 2: 0.25, 3: 0.125}
     assert frame["grad_norm"].to_dict() == {1: 1.25, 2: 0.75, 3: 0.5}
     mine = tmp_path / "mine.jsonl"
-    mine.write_text("".join(json.dumps({"step": s, "loss": l, "grad_norm": g}) + "\n" for s, (l, g) in values.items()))
+    mine.write_text("".join(json.dumps({"step": s, "loss": lo, "grad_norm": g}) + "\n" for s, (lo, g) in values.items()))
     assert compare_frames(load_any_run(mine), frame)["first_divergence"] is None
-    mine.write_text("".join(json.dumps({"step": s, "loss": l, "grad_norm": g * (1.1 if s == 2 else 1)}) + "\n"
-                            for s, (l, g) in values.items()))
+    mine.write_text("".join(json.dumps({"step": s, "loss": lo, "grad_norm": g * (1.1 if s == 2 else 1)}) + "\n"
+                            for s, (lo, g) in values.items()))
     assert main(["compare", str(mine), str(tmp_path / "trl-out"), "--out", str(tmp_path / "cmp")]) == 1
     assert json.loads((tmp_path / "cmp" / "comparison.json").read_text())["first_divergence"] == \
         {"step": 2, "metric": "grad_norm"}
