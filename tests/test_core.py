@@ -53,7 +53,6 @@ def test_group_advantages_nan_rewards_get_zero():
     close(adv, [(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s])
 
 
-
 def test_group_advantages_bit_for_bit_with_trl():
     """The group std in TRL's order of operations (trl.trainer.utils.nanstd), so the advantages agree to the bit:
     a std one ulp off moves every advantage of its group, and in a group of equal rewards a mean one ulp off is
@@ -70,6 +69,7 @@ def test_group_advantages_bit_for_bit_with_trl():
         std = nanstd(r.view(-1, 8), dim=1).repeat_interleave(8)
         assert torch.equal(sd, std), seed
         assert torch.equal(adv, torch.nan_to_num((r - mean) / (std + 1e-4))), seed
+
 
 # ---- log-probs, entropy, KL ---------------------------------------------------------------------------------
 def test_token_logprobs_uses_temperature():

@@ -47,6 +47,7 @@ def test_a_learning_rate_at_the_same_schedule_is_named_learning_rate():
     both = set(checks(small_spec(f"trl.learning_rate={lr * 1.02}", 'trl.lr_scheduler_type="linear"')))
     assert both == {"other:learning_rate", "other:lr_scheduler_type"}, both
 
+
 def test_is_difference_needs_a_sampler():
     spec = small_spec('sampler.kind="emulated"', "trl.vllm_importance_sampling_correction=true")
     assert set(checks(spec)) == {"importance_sampling"}  # on/off, and the mode it then uses
