@@ -96,3 +96,14 @@ def test_a_quirk_that_cannot_show_has_no_measured_effect(tmp_path):
     detail = doc["cells"][0]["attribution_detail"]
     assert doc["cells"][0]["verdict"] == "parity"
     assert detail[0]["status"] == "no measured effect" and "TEMPERATURE = 1" in detail[0]["evidence"]
+
+
+def test_a_tensor_walk_that_stops_short_says_so():
+    """A walk that finds every tensor alike says whether it reached the step where the re-run parts: an H100 re-run
+    parted at step 9 after 6 steps walked, and "the difference is elsewhere: the optimizer" was not what it showed."""
+    from harness.diagnose.attribution import _nothing_walked
+
+    short = _nothing_walked(6, 9)
+    assert "parts at step 9, after them: the walk did not reach it" in short and "--tensor-steps 9" in short
+    assert "elsewhere" not in short
+    assert "elsewhere: the optimizer" in _nothing_walked(6, 4) and "did not reach" not in _nothing_walked(6, 6)

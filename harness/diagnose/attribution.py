@@ -227,9 +227,17 @@ def _walk_tensors(entry: dict, spec, pair_dir: Path, fd: dict, out: Path, log) -
         return
     entry["tensor_diff"] = {"first": found["first"], "steps": found["steps"]}
     entry["evidence"] += ("; tensor by tensor, TRL's side (in the place of \"your loop\") against the built-in loop's: "
-                          + (words(found) if found["first"] else
-                             f"every saved tensor agrees over the first {steps} steps (the difference is elsewhere: "
-                             "the optimizer or the schedule, or after them)"))
+                          + (words(found) if found["first"] else _nothing_walked(steps, int(fd["step"]))))
+
+
+def _nothing_walked(steps: int, parts_at: int) -> str:
+    """What a tensor walk that found every tensor alike says, by whether it reached the step where the pair parts."""
+    if parts_at > steps:  # the walk stops at TENSOR_WALK_STEPS: an H100 re-run parted at step 9, after 6 walked
+        return (f"every saved tensor agrees over the first {steps} steps, and the re-run parts at step {parts_at}, "
+                "after them: the walk did not reach it (`python -m harness run scratch|trl --rollouts "
+                f"<the re-run's rollouts.jsonl> --tensor-steps {parts_at}` on the re-run's spec, then `tensordiff`, would)")
+    return (f"every saved tensor agrees over the first {steps} steps (the difference is elsewhere: the optimizer or "
+            "the schedule, or after them)")
 
 
 class CauseSearch:
