@@ -215,6 +215,8 @@ class Processes(_Pool):
         self._threads = max(1, (os.cpu_count() or 1) // self.slots)
         self._free: queue.Queue = queue.Queue()
         self._all = []
+        self._procs: dict[int, object] = {}  # pid -> every worker process started, for close()
+        self._log = log
         for i in range(self.slots):
             self._free.put(self._new_worker(gpus[i] if gpus else None))
         log(f"backend: {self.slots} worker processes" + (f" (GPUs {', '.join(gpus[:self.slots])})" if gpus else
@@ -237,12 +239,15 @@ class Processes(_Pool):
             except queue.Empty:
                 if STOP.requested:
                     raise Interrupted(f"{STOP.requested}: no new runs") from None
-        return worker, worker[0].submit(fn, *args)
+        fut = worker[0].submit(fn, *args)  # starts the worker's process if it has none yet
+        procs = _processes_of(worker[0])
+        self._procs.update(procs)
+        return worker, fut, procs
 
     def _wait(self, job, timeout):
         from concurrent.futures.process import BrokenProcessPool
 
-        worker, fut = job
+        worker, fut, _procs = job
         try:
             result = fut.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
@@ -261,21 +266,35 @@ class Processes(_Pool):
         self._free.put(self._new_worker(worker[1]))
 
     def _cancel(self, job) -> None:
-        worker, _fut = job
-        # the run inside: stop it now (the executor has no public way; _processes is its pid -> Process map)
-        procs = list((getattr(worker[0], "_processes", None) or {}).values())
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.join(timeout=10)
+        worker, _fut, procs = job
+        _kill(list({**procs, **_processes_of(worker[0])}.values()))  # the run inside: stop it now
         self._replace(worker)
 
     def check(self, specs) -> None:
         refuse_world_size_on_jobs(max((getattr(s, "PROCESSES", 1) for s in specs), default=1))
 
     def close(self) -> None:
+        """Every worker shut down, and no worker process left: one still running after its executor's shutdown
+        (a CI run once found the cancelled run's process alive after a stop) is killed, and said."""
         for ex, _gpu in self._all:
             ex.shutdown(wait=True, cancel_futures=True)
+        left = [p for p in self._procs.values() if p.is_alive()]
+        if left:
+            self._log(f"backend: {len(left)} worker process(es) still running after shutdown (pid "
+                      f"{', '.join(str(p.pid) for p in left)}): killed")
+            _kill(left)
+
+
+def _processes_of(executor) -> dict:
+    """An executor's worker processes, pid -> Process (it has no public way: `_processes`, None once shut down)."""
+    return dict(getattr(executor, "_processes", None) or {})
+
+
+def _kill(procs: list) -> None:
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
 
 
 class RayCluster(_Pool):
