@@ -263,6 +263,42 @@ def test_tensor_diff_takes_column_tensors_and_leaves_an_upstream_loss_alone():
     assert not loss_link.get("exact") and not loss_link.get("candidates")
 
 
+def test_a_loss_divided_by_positions_outside_the_completions_is_named_with_its_divisor():
+    """nano-aha-moment divides the masked per-token losses' sum by every position of its padded batch (prompt and
+    padding included) and logs the mean of its micro-batches' losses: the divisor is named from your own tensors,
+    by hand here (sum 3.5 over 3 tokens, 2 completions, 5 positions each: 10, and 20 logged over 2 micro-batches),
+    even when the per-token losses before it differ too (nano's -logp * A is not TRL's -ratio * A in value)."""
+    from harness.diagnose.tensordiff import diff
+
+    spec = load_spec(DEFAULT_SPEC, ["GROUP_SIZE=2", "GRAD_ACCUM=2", 'LOSS_NORM="token_global"'])
+    per_token, mask = [[0.5, 1.0], [2.0, 0.0]], [[1, 1], [1, 0]]
+    mine = {1: {"per_token_loss": per_token, "mask": mask, "loss": 3.5 / 20}}
+    ref = {1: {"per_token_loss": [[0.5, 1.0], [1.0, 0.0]], "mask": mask, "loss": 2.5 / 3}}
+    found = diff(mine, ref, spec, {1: [2, 2]}, [2], False)
+    loss_link = next(c for c in found["chain"] if c["tensor"] == "loss")
+    assert loss_link.get("independent") and not loss_link.get("candidates"), loss_link
+    how = loss_link["how"]
+    assert "divided by 20 (10 if what you log is the mean of your 2 micro-batches' losses)" in how, how
+    assert "the mask holds 3 tokens in 2 completions, the longest 2" in how, how
+    assert "10 is 5 per completion, more than the longest completion" in how, how
+    within = diff({1: {**mine[1], "loss": 3.5 / 6}}, ref, spec, {1: [2, 2]}, [2], False)  # 1.5 per completion
+    how = next(c for c in within["chain"] if c["tensor"] == "loss")["how"]
+    assert "divided by 6 (3 if" in how and "more than the longest" not in how, how
+
+
+def test_what_the_tensors_recompute_exactly_is_not_searched_again():
+    """An exact finding settles its fields: advantages recomputed with the population std leave scale_rewards out of
+    the search (nano-aha-moment divides by a population std, and the search once also kept scale_rewards = "none"
+    because it shrank a gradient that the loop's own divisor had shrunk)."""
+    from harness.diagnose.explain import SETTLES, settled_by
+
+    chain = [{"tensor": "advantages", "status": "differs", "exact": True, "candidates": [{"STD": "population"}]},
+             {"tensor": "loss", "status": "differs", "how": "...", "candidates": [], "own_inputs": True},
+             {"tensor": "mask", "status": "differs", "candidates": [{"COMPLETION_MASK": "all"}]}]
+    assert set(settled_by({"chain": chain})) == set(SETTLES["advantages"]) and "ADV_SCALE" in SETTLES["advantages"]
+    assert settled_by(None) == () and settled_by({"chain": chain[1:]}) == ()
+
+
 def test_a_warm_model_starts_each_run_from_the_checkpoint_as_a_fresh_load(tmp_path):
     """The search keeps one loaded model across candidates (`Warm`): a run after another run with other settings
     (a KL reference, a higher lr, its weights trained away from the checkpoint and gradients left mid-way by an

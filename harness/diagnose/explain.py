@@ -53,6 +53,11 @@ from harness.runlog.atomic import atomic_write_text
 
 MAX_FIELDS = 10
 LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
+# the fields a tensor recomputed exactly from your loop's own tensors settles: once kept, the search does not offer
+# them again (nano-aha-moment's population std was found exactly, and the search then also kept scale_rewards =
+# "none", a loop that does divide by a std, because it shrank a gradient a normaliser of its own had shrunk)
+SETTLES = {"advantages": ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE"),
+           "mask": ("COMPLETION_MASK",), "loss": ("LOSS_NORM",)}  # not MASK_TRUNCATED: a step may have no truncation
 EXPLAIN_FILE = "your_loop_in_trl.toml"
 SEARCH_FILE = "search.json"  # in the cell's explain/ folder: every round, every candidate, each step's judgement
 
@@ -394,6 +399,7 @@ class Search:
         self.rounds: list[dict] = []  # each round of the search: the current set, every candidate, what was kept
         self.below_rounding: dict | None = None  # where it stopped because only changes below rounding did better
         self.escalated_from: dict | None = None  # a float32 search: where the bf16 one stopped (in_float32)
+        self.settled: set[str] = set()  # fields the tensor diff's exact findings settle: not searched (SETTLES)
         self._trl: dict[tuple, bool] = {}
         from harness.experiment.models import Warm
 
@@ -486,10 +492,11 @@ class Search:
         return self.trial(changes, self.steps, stop_at_parting=True)
 
     def run(self, start: dict, guesses: list[dict] = (), exact_first: bool = False,
-            guessed_by: str = "") -> tuple[Trial, list[dict]]:
+            guessed_by: str = "", settles: tuple = ()) -> tuple[Trial, list[dict]]:
         """Greedy over fields, judged by agreement: returns the best trial and the trace of kept fields. `guesses`:
         changes the tensor diff points at (or, `guessed_by` names it, another source: a bf16 search's answer), tried
-        first (the one that extends the agreement most is kept)."""
+        first (the one that extends the agreement most is kept). `settles`: the fields the exact guess (the first)
+        settles, left out of the search when it is kept."""
         state = self.whole(start)
         trace = []
         self.log(f"    explain: the built-in loop as TRL{_with(start)}: " + _said(state, self.steps))
@@ -500,6 +507,8 @@ class Search:
             best = max(tried, key=Trial.score) if tried else exact[0]
             if exact and not best.better_than(exact[0]):
                 best = exact[0]  # every exact finding, unless another guess does better on the steps
+            if exact and best is exact[0]:
+                self.settled |= set(settles)
             added = {k: v for k, v in best.changes.items() if k not in start}
             trace.append({"at_step": state.agree + 1, "changes": added, "agree_before": state.agree,
                           "agree_after": best.agree, "from_tensors": bool(exact) and best is exact[0],
@@ -511,7 +520,7 @@ class Search:
             first = state.agree + 1
             current = apply_alignment(self.base, {"set": state.changes})
             opts = [o for o in options(current, set(self.judge.columns))
-                    if o.acts_from <= first and not set(o.changes()) & set(state.changes)]
+                    if o.acts_from <= first and not set(o.changes()) & (set(state.changes) | self.settled)]
             horizon = min(self.steps, first + LOOKAHEAD)
             here = self.trial(state.changes, horizon, stop_at_parting=True)  # judged as the candidates are
             # each stops where it parts (as the docstring says): one that does not fix step `first` runs no further
@@ -653,7 +662,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         notes.insert(0, tensor_words(found))
     guesses = (found or {}).get("guesses", [])
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
-    state, trace = search.run(read, guesses, exact_first)
+    state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     search.save()
     escalated = in_float32(spec, cell_dir, records, search, state, read, log)
     if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
@@ -768,6 +777,7 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     again = Search(base, yours, records, root / "search", envelope, search.log)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
+    again.settled = set(search.settled)  # what bf16's tensors settled, float32's rounding does not unsettle
     again.escalated_from = {**search.below_rounding, "agree": state.agree, "found": state.changes,
                             "loop_ignores_dtype": same}
     guess = {k: v for k, v in state.changes.items() if k not in read}
@@ -820,6 +830,12 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
     names = {"param_rel_l2": "the final weights"}
     return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
             f"training agrees ({', '.join(names.get(m, m) for m in trains)} within tolerance at every step)")
+
+
+def settled_by(found: dict | None) -> tuple:
+    """The fields the tensor diff's exactly recomputed links settle (SETTLES)."""
+    return tuple(k for link in (found or {}).get("chain", []) if link.get("exact") and link.get("candidates")
+                 for k in SETTLES.get(link["tensor"], ()))
 
 
 def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:

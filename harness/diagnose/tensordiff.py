@@ -142,7 +142,9 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
             how = _explain(name, a, b, spec, n, eos_ids, prompts_have_eos, atol, rtol,
                            (ends_with_eos or {}).get(step), (scores or {}).get(step))
             upstream = [d for d in DEPENDS[name] if status.get(d) == "differs"]
-            if upstream and not how.get("exact"):  # what it is computed from differs: most likely a consequence
+            # what it is computed from differs: most likely a consequence, unless recomputed exactly or read from
+            # your loop's own inputs to it (the loss's divisor, from your own per-token losses)
+            if upstream and not how.get("exact") and not how.get("own_inputs"):
                 how = {"how": f"follows from {', '.join(upstream)} before it in the chain", "candidates": []}
             else:
                 how["independent"] = True  # its own inputs agree (or were not saved): a difference of its own
@@ -387,7 +389,29 @@ def _loss(a, spec, atol, rtol) -> dict:
     if hits:
         return {"how": f"your per-token losses, aggregated as LOSS_NORM = {hits[0]!r}, give your loss",
                 "candidates": [{"LOSS_NORM": h} for h in hits], "exact": True}
-    return {"how": "the loss's normalisation is none the built-in loop has", "candidates": []}
+    how = "the loss's normalisation is none the built-in loop has: "
+    return {"how": how + divisor_words(sums, counts, target, spec.GRAD_ACCUM), "candidates": [], "own_inputs": True}
+
+
+def divisor_words(sums: list[float], counts: list[float], loss: float, grad_accum: int) -> str:
+    """What your loss divides the masked per-token losses' sum by, in words, against the tokens the mask holds (TRL's
+    dapo divides by those) and the longest completion: a divisor above that per completion counts positions outside
+    the completions (nano-aha-moment once divided by every position of its padded batch, prompt and padding)."""
+    total, tokens, n = sum(sums), sum(counts), max(len(counts), 1)
+    k = total / loss if loss else math.nan
+    if not math.isfinite(k) or k <= 0:
+        return "it is not a positive multiple of the masked per-token losses' sum"
+    longest = max(counts, default=0)
+    smallest = k / grad_accum
+    out = f"your loss is the masked per-token losses' sum divided by {k:.4g}"
+    if grad_accum > 1:
+        out += f" ({smallest:.4g} if what you log is the mean of your {grad_accum} micro-batches' losses)"
+    out += (f"; the mask holds {tokens:.0f} tokens in {n} completions, the longest {longest:.0f} (TRL's dapo divides "
+            "by the tokens)")
+    if smallest / n > longest + 0.5:
+        out += (f"; {smallest:.4g} is {smallest / n:.3g} per completion, more than the longest completion, as if "
+                "positions outside the completions (the prompt, the padding) were counted")
+    return out
 
 
 def words(found: dict | None) -> str | None:
