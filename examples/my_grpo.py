@@ -17,6 +17,8 @@ Its choices are flags, so you can see what the harness says when they differ fro
     --clip-high C            the ratio's upper clip bound 1 + C (TRL: epsilon_high; it binds once the ratio leaves 1,
                              as with the spec's NUM_ITERATIONS > 1)
     --reward-weights 1,1     its own weights for the reward functions' scores (TRL: reward_weights)
+    --pg-loss ratio|logp     the policy term -ratio * A (TRL), or -logp * A (REINFORCE: the same gradient with one
+                             pass per round, another value)
 The spec's NUM_ITERATIONS > 1 takes that many optimizer steps over each round, logp_old from a no-grad pass.
 Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
@@ -46,6 +48,7 @@ p.add_argument("--weight-decay", type=float)
 p.add_argument("--lr-schedule", choices=("constant", "linear"))
 p.add_argument("--clip-high", type=float)
 p.add_argument("--reward-weights", type=lambda t: [float(w) for w in t.split(",")])
+p.add_argument("--pg-loss", choices=("ratio", "logp"), default="ratio")
 p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
 args = p.parse_args()
@@ -69,6 +72,8 @@ MU = cfg.get("NUM_ITERATIONS", 1)  # optimizer steps (passes) over each generati
 if cfg.get("STEPS_PER_GENERATION", 1) != 1:
     raise SystemExit("this example trains every optimizer step on a whole generation round: STEPS_PER_GENERATION "
                      "must be 1")
+if args.pg_loss == "logp" and MU > 1:
+    raise SystemExit("--pg-loss logp is the policy gradient with one pass per round: NUM_ITERATIONS must be 1")
 
 DEVICE = cfg.get("DEVICE", "cpu")
 DEVICE = ("cuda" if torch.cuda.is_available() else "cpu") if DEVICE == "auto" else DEVICE
@@ -183,6 +188,8 @@ for step in range(STEPS):
         ratio = torch.exp(logp - old)
         a = adv[mb].unsqueeze(1)
         per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
+        if args.pg_loss == "logp":  # REINFORCE's form (nano-aha-moment's): TRL's gradient at ratio 1, not its value
+            per_token = -logp * a
         mask = loss_mask[mb].float()
         seen_logp.append(logp.detach())
         if ref is not None:

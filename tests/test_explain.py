@@ -72,6 +72,20 @@ def test_every_difference_is_found_and_the_table_plus_quirks_reproduce_the_loop(
     assert again["cells"][0]["verdict"] == "parity", again["cells"][0]["first_divergence"]
 
 
+def test_a_loss_with_trls_gradient_and_another_value_is_explained_on_the_gradient(tmp_path):
+    """-logp * A in place of TRL's -ratio * A (nano-aha-moment's form): at ratio 1 the gradient is TRL's, the logged
+    loss another number. The search parts on the loss alone at step 1, searches again on what training computes
+    (grad_norm, the final weights), finds the loop's real difference (the population std, from the tensors) and
+    confirms it, saying the loss differs in value alone; without the second search it ended 'suspected'."""
+    doc, found = explained(tmp_path, "--pg-loss logp --std population")
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["fix"]["scratch"] == {"STD": "population"} and not found["fix"]["trl"], found["fix"]
+    text = " ".join(found["evidence"].split())
+    assert "your logged loss is defined otherwise in value (outside tolerance from step 1)" in text, text
+    assert "grad_norm and the final weights agree at every step" in text, text
+    assert "training agrees (loss," not in text, text  # the loss is not said to agree anywhere
+
+
 def _spec_of(trl: dict) -> dict:
     """The spec fields that mean these TRL fields (for the built-in loop as the other side)."""
     names = {"beta": "BETA", "adam_beta2": "ADAM_BETA2", "weight_decay": "WEIGHT_DECAY",

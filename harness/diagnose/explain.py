@@ -663,6 +663,16 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     guesses = (found or {}).get("guesses", [])
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
     state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
+    value_only = None
+    if state.agree < search.steps and state.outside == ["loss"] and "grad_norm" in search.judge.columns:
+        # the gradient agrees where the loss parts: a loss whose value is defined otherwise (nano-aha-moment's
+        # -logp * A, whose gradient at ratio 1 is TRL's -ratio * A's): judged again on what training computes
+        value_only = state.agree + 1
+        log(f"    explain: at step {value_only} only the loss's value parts, the gradient norm agrees: searched again "
+            "without the logged loss (grad_norm and the final weights judge)")
+        search.judge.columns.remove("loss")
+        search.cache.clear()
+        state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     search.save()
     escalated = in_float32(spec, cell_dir, records, search, state, read, log)
     if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
@@ -706,20 +716,22 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
         return [entry]
     # every step agrees on what training computes: the whole comparison, as the cell was judged
-    final = compare_sides(spec, yours_dir, Path(state.folder), "lockstep", envelope)
+    final = _loss_in_value_only(compare_sides(spec, yours_dir, Path(state.folder), "lockstep", envelope), value_only)
     final_fd = final.get("first_divergence")
     derived = final.get("defined_differently", [])
     weights_off = "param_rel_l2" in final.get("outside", [])
     path = cell_dir.parent / EXPLAIN_FILE
     confirmed_by_trl = None
     if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
-        confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope)
+        confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope, value_only)
         search.runs += 1
     sentence = _sentence(trl, quirks, path)
     if escalated is not None:
         sentence += f" (found in float32: {escalated_words(search.escalated_from, spec_dtype)})"
     if derived:
         sentence += "; " + defined_differently_words(derived, final)
+    if final.get("loss_in_value_only"):
+        sentence += "; " + loss_in_value_words(final)
     ok = not weights_off and final_fd is None and confirmed_by_trl is not False
     status = "confirmed" if ok else "suspected"
     if weights_off:
@@ -826,7 +838,8 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
         how = next((v for k, v in _HOW_TRL_LOGS.items() if m == k or (k.endswith("/") and m.startswith(k))
                     or m.startswith(k + "_")), None)
         hows.append(f"{m} (TRL's: {how})" if how else m)
-    trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in comparison.get("metrics", {})]
+    trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in comparison.get("metrics", {})
+              and not (m == "loss" and comparison.get("loss_in_value_only"))]
     names = {"param_rel_l2": "the final weights"}
     return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
             f"training agrees ({', '.join(names.get(m, m) for m in trains)} within tolerance at every step)")
@@ -902,15 +915,49 @@ def scratch_as_trl(spec):
     return apply_alignment(spec, {"set": sets}) if sets else spec
 
 
-def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope) -> bool:
-    """TRL with the table on the same rollouts against your loop: parity?"""
+def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope,
+               value_only: int | None = None) -> bool:
+    """TRL with the table on the same rollouts against your loop: parity? (`value_only`: your loss differs in
+    value alone, see _loss_in_value_only)"""
     from harness.diagnose.pairs import compare_sides
     from harness.rollouts.lockstep import ReplaySource
     from trl_runner.runner import train as train_trl
 
     candidate = apply_alignment(spec, {"set_trl": trl})
     train_trl(candidate, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
-    return compare_sides(candidate, yours_dir, folder / "trl", "lockstep", envelope)["first_divergence"] is None
+    result = compare_sides(candidate, yours_dir, folder / "trl", "lockstep", envelope)
+    return _loss_in_value_only(result, value_only)["first_divergence"] is None
+
+
+def _loss_in_value_only(result: dict, value_only: int | None) -> dict:
+    """A comparison in which, where the search found your loss differing in value alone (`value_only`: the step),
+    the loss parting is not a divergence when grad_norm agrees at every step and nothing else parts but statistics
+    defined differently: `loss_in_value_only` says from which step, and what agrees."""
+    from harness.diagnose.compare import is_derived
+
+    outside = result.get("outside", [])
+    metrics = result.get("metrics", {})
+    if value_only is None or "loss" not in outside or "grad_norm" not in metrics or "grad_norm" in outside:
+        return result
+    rest = [m for m in outside if m != "loss"]
+    if not all(is_derived(m) for m in rest):
+        return result
+    out = {**result, "outside": [], "first_divergence": None, "notes": list(result.get("notes", []))}
+    if rest:
+        out["defined_differently"] = sorted(set(out.get("defined_differently", [])) | set(rest))
+    out["loss_in_value_only"] = {"from_step": metrics["loss"].get("first_outside"),
+                                 "agrees": [m for m in ("grad_norm", "param_rel_l2") if m in metrics]}
+    out["notes"].append("your loss differs in value alone: " + loss_in_value_words(out))
+    return out
+
+
+def loss_in_value_words(result: dict) -> str:
+    v = result["loss_in_value_only"]
+    names = {"param_rel_l2": "the final weights"}
+    return (f"your logged loss is defined otherwise in value (outside tolerance from step {v['from_step']}), while "
+            f"{' and '.join(names.get(m, m) for m in v['agrees'])} agree at every step: a loss with TRL's gradient and "
+            "another value (-logp * A, say, where TRL's is -ratio * A with the ratio 1; or a mean over micro-batches "
+            "logged in place of their sum)")
 
 
 def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
