@@ -400,6 +400,7 @@ class Search:
         self.below_rounding: dict | None = None  # where it stopped because only changes below rounding did better
         self.escalated_from: dict | None = None  # a float32 search: where the bf16 one stopped (in_float32)
         self.settled: set[str] = set()  # fields the tensor diff's exact findings settle: not searched (SETTLES)
+        self.value_only: int | None = None  # the step from which the loss is judged out: it differs in value alone
         self._trl: dict[tuple, bool] = {}
         from harness.experiment.models import Warm
 
@@ -667,16 +668,18 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     if state.agree < search.steps and state.outside == ["loss"] and "grad_norm" in search.judge.columns:
         # the gradient agrees where the loss parts: a loss whose value is defined otherwise (nano-aha-moment's
         # -logp * A, whose gradient at ratio 1 is TRL's -ratio * A's): judged again on what training computes
-        value_only = state.agree + 1
+        value_only = search.value_only = state.agree + 1
         log(f"    explain: at step {value_only} only the loss's value parts, the gradient norm agrees: searched again "
             "without the logged loss (grad_norm and the final weights judge)")
         search.judge.columns.remove("loss")
         search.cache.clear()
+        search.below_rounding = None
         state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     search.save()
     escalated = in_float32(spec, cell_dir, records, search, state, read, log)
     if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
         spec, search, state, trace, yours_dir, envelope = escalated
+        value_only = search.value_only
         notes.append(escalated_words(escalated[1].escalated_from, spec_dtype))
     from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
     changes = state.changes
@@ -704,6 +707,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
                  else "")
         closest = _sentence(trl, quirks, None) if changes else "the spec's own settings"
         text = f"no setting the search knows matches your loop at every step (closest: {closest}{where}); "
+        if value_only is not None:
+            text += (f"judged without your logged loss, whose value alone parted at step {value_only} while the "
+                     "gradient norm agreed; ")
         if search.below_rounding:  # what would do better is rounding: at this precision the rest is noise
             text += below_rounding_words(search.below_rounding, spec.DTYPE)
         else:
@@ -790,6 +796,9 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
     again.settled = set(search.settled)  # what bf16's tensors settled, float32's rounding does not unsettle
+    again.value_only = search.value_only
+    if again.value_only is not None and "loss" in again.judge.columns:  # judged as the bf16 search was
+        again.judge.columns.remove("loss")
     again.escalated_from = {**search.below_rounding, "agree": state.agree, "found": state.changes,
                             "loop_ignores_dtype": same}
     guess = {k: v for k, v in state.changes.items() if k not in read}
