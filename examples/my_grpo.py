@@ -187,9 +187,10 @@ for step in range(STEPS):
         old = old_logps[j] if MU > 1 else logp.detach()  # one pass per round: the old policy is the current one
         ratio = torch.exp(logp - old)
         a = adv[mb].unsqueeze(1)
-        per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         if args.pg_loss == "logp":  # REINFORCE's form (nano-aha-moment's): TRL's gradient at ratio 1, not its value
             per_token = -logp * a
+        else:
+            per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         mask = loss_mask[mb].float()
         seen_logp.append(logp.detach())
         if ref is not None:

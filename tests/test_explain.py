@@ -82,7 +82,7 @@ def test_a_loss_with_trls_gradient_and_another_value_is_explained_on_the_gradien
     assert found["fix"]["scratch"] == {"STD": "population"} and not found["fix"]["trl"], found["fix"]
     text = " ".join(found["evidence"].split())
     assert "your logged loss is defined otherwise in value (outside tolerance from step 1)" in text, text
-    assert "grad_norm and the final weights agree at every step" in text, text
+    assert "grad_norm and the final weights agree at every compared step" in text, text
     assert "training agrees (loss," not in text, text  # the loss is not said to agree anywhere
 
 
@@ -295,9 +295,19 @@ def test_a_loss_divided_by_positions_outside_the_completions_is_named_with_its_d
     assert "divided by 20 (10 if what you log is the mean of your 2 micro-batches' losses)" in how, how
     assert "the mask holds 3 tokens in 2 completions, the longest 2" in how, how
     assert "10 is 5 per completion, more than the longest completion" in how, how
+    assert "token_local, is not recomputed with GRAD_ACCUM above 1" in how, how
     within = diff({1: {**mine[1], "loss": 3.5 / 6}}, ref, spec, {1: [2, 2]}, [2], False)  # 1.5 per completion
     how = next(c for c in within["chain"] if c["tensor"] == "loss")["how"]
     assert "divided by 6 (3 if" in how and "more than the longest" not in how, how
+    from harness.diagnose.tensordiff import divisor_words
+
+    for loss, words in ((0.0, "your loss is 0: no divisor"), (float("nan"), "your loss is nan: no divisor")):
+        assert divisor_words([0.5, 2.0], [2, 1], loss, 1) == (f"{words} can be read from it", False)
+        link = next(c for c in diff({1: {**mine[1], "loss": loss}}, ref, spec, {1: [2, 2]}, [2], False)["chain"]
+                    if c["tensor"] == "loss")
+        assert not link.get("independent"), link  # nothing read: left as a consequence of what differs upstream
+    said, read = divisor_words([0.5, 1.0, -1.5], [2, 1, 1], 1e-3, 1)  # the sum cancels: 0 / 1e-3 is no divisor
+    assert "sum to nearly 0 (they cancel)" in said and not read, said
 
 
 def test_what_the_tensors_recompute_exactly_is_not_searched_again():
@@ -311,6 +321,9 @@ def test_what_the_tensors_recompute_exactly_is_not_searched_again():
              {"tensor": "mask", "status": "differs", "candidates": [{"COMPLETION_MASK": "all"}]}]
     assert set(settled_by({"chain": chain})) == set(SETTLES["advantages"]) and "ADV_SCALE" in SETTLES["advantages"]
     assert settled_by(None) == () and settled_by({"chain": chain[1:]}) == ()
+    # candidates the diff found alike settle only what they agree on: the epsilon stays open to the search
+    alike = [{**chain[0], "candidates": [{"STD": "population"}, {"STD": "population", "STD_EPS": 1e-8}]}]
+    assert set(settled_by({"chain": alike})) == {"ADV_SCALE", "STD", "STD_EPS_INSIDE"}
 
 
 def test_a_warm_model_starts_each_run_from_the_checkpoint_as_a_fresh_load(tmp_path):

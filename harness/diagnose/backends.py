@@ -274,11 +274,12 @@ class Processes(_Pool):
         refuse_world_size_on_jobs(max((getattr(s, "PROCESSES", 1) for s in specs), default=1))
 
     def close(self) -> None:
-        """Every worker shut down, and no worker process left: one still running after its executor's shutdown
-        (a CI run once found the cancelled run's process alive after a stop) is killed, and said."""
+        """Every worker shut down, and no worker process left: a safety net that kills, and says, any still running
+        after its executor's shutdown (a CI run once found a cancelled run's process alive after a stop; the cause
+        was not found: _cancel already kills and joins)."""
         for ex, _gpu in self._all:
             ex.shutdown(wait=True, cancel_futures=True)
-        left = [p for p in self._procs.values() if p.is_alive()]
+        left = [p for p in list(self._procs.values()) if p.is_alive()]
         if left:
             self._log(f"backend: {len(left)} worker process(es) still running after shutdown (pid "
                       f"{', '.join(str(p.pid) for p in left)}): killed")

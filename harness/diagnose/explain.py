@@ -53,9 +53,9 @@ from harness.runlog.atomic import atomic_write_text
 
 MAX_FIELDS = 10
 LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
-# the fields a tensor recomputed exactly from your loop's own tensors settles: once kept, the search does not offer
-# them again (nano-aha-moment's population std was found exactly, and the search then also kept scale_rewards =
-# "none", a loop that does divide by a std, because it shrank a gradient a normaliser of its own had shrunk)
+# the fields an exactly recomputed tensor settles (where all its alike candidates agree on them): once kept, the
+# search does not offer them again, so a change that only happens to shrink some other gap cannot undo what the
+# tensors showed (docs/your-loop.md, nano-aha-moment)
 SETTLES = {"advantages": ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE"),
            "mask": ("COMPLETION_MASK",), "loss": ("LOSS_NORM",)}  # not MASK_TRUNCATED: a step may have no truncation
 EXPLAIN_FILE = "your_loop_in_trl.toml"
@@ -486,7 +486,18 @@ class Search:
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.root / SEARCH_FILE, json.dumps(
             {"runs": self.runs, "steps": self.steps_run, "seconds": round(self.seconds, 1), "rounds": self.rounds,
-             "stopped_below_rounding": self.below_rounding}, indent=1, default=str))
+             "stopped_below_rounding": self.below_rounding, "loss_in_value_only_from": self.value_only}, indent=1,
+            default=str))
+
+    def without_loss(self, step: int) -> None:
+        """Judge from now on without the logged loss (it differs in value alone from `step`): what the first search
+        cached, settled and stopped on was judged with it, so it goes; a marker in the rounds says where."""
+        self.value_only = step
+        if "loss" in self.judge.columns:
+            self.judge.columns.remove("loss")
+        self.cache.clear()
+        self.settled, self.below_rounding = set(), None
+        self.rounds.append({"value_only_from": step})
 
     def whole(self, changes: dict) -> Trial:
         """Over every step, stopping where it parts."""
@@ -497,7 +508,7 @@ class Search:
         """Greedy over fields, judged by agreement: returns the best trial and the trace of kept fields. `guesses`:
         changes the tensor diff points at (or, `guessed_by` names it, another source: a bf16 search's answer), tried
         first (the one that extends the agreement most is kept). `settles`: the fields the exact guess (the first)
-        settles, left out of the search when it is kept."""
+        settles, added to `self.settled` (left out of the search) when it is kept."""
         state = self.whole(start)
         trace = []
         self.log(f"    explain: the built-in loop as TRL{_with(start)}: " + _said(state, self.steps))
@@ -665,15 +676,11 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
     state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     value_only = None
-    if state.agree < search.steps and state.outside == ["loss"] and "grad_norm" in search.judge.columns:
-        # the gradient agrees where the loss parts: a loss whose value is defined otherwise (nano-aha-moment's
-        # -logp * A, whose gradient at ratio 1 is TRL's -ratio * A's): judged again on what training computes
-        value_only = search.value_only = state.agree + 1
+    if _loss_value_alone(search, state, yours):  # -logp * A, say: judged again on the gradient
+        value_only = state.agree + 1
         log(f"    explain: at step {value_only} only the loss's value parts, the gradient norm agrees: searched again "
-            "without the logged loss (grad_norm and the final weights judge)")
-        search.judge.columns.remove("loss")
-        search.cache.clear()
-        search.below_rounding = None
+            "without the logged loss (judged on grad_norm; the final weights are compared at the end)")
+        search.without_loss(value_only)
         state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     search.save()
     escalated = in_float32(spec, cell_dir, records, search, state, read, log)
@@ -709,7 +716,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         text = f"no setting the search knows matches your loop at every step (closest: {closest}{where}); "
         if value_only is not None:
             text += (f"judged without your logged loss, whose value alone parted at step {value_only} while the "
-                     "gradient norm agreed; ")
+                     "gradient norm agreed at that step; ")
         if search.below_rounding:  # what would do better is rounding: at this precision the rest is noise
             text += below_rounding_words(search.below_rounding, spec.DTYPE)
         else:
@@ -795,10 +802,8 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     again = Search(base, yours, records, root / "search", envelope, search.log)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
-    again.settled = set(search.settled)  # what bf16's tensors settled, float32's rounding does not unsettle
-    again.value_only = search.value_only
-    if again.value_only is not None and "loss" in again.judge.columns:  # judged as the bf16 search was
-        again.judge.columns.remove("loss")
+    if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may
+        again.without_loss(search.value_only)  # differ in float32)
     again.escalated_from = {**search.below_rounding, "agree": state.agree, "found": state.changes,
                             "loop_ignores_dtype": same}
     guess = {k: v for k, v in state.changes.items() if k not in read}
@@ -840,6 +845,9 @@ _HOW_TRL_LOGS = {"kl": "a mean over each micro-batch's completion tokens, micro-
                  "completions/": "token counts through the first eos"}
 
 
+_TRAINS = {"param_rel_l2": "the final weights"}  # the training metrics' names in a sentence
+
+
 def defined_differently_words(metrics: list[str], comparison: dict) -> str:
     """'kl is defined differently in your loop (TRL: ...); training agrees (...)'."""
     hows = []
@@ -849,15 +857,33 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
         hows.append(f"{m} (TRL's: {how})" if how else m)
     trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in comparison.get("metrics", {})
               and not (m == "loss" and comparison.get("loss_in_value_only"))]
-    names = {"param_rel_l2": "the final weights"}
     return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
-            f"training agrees ({', '.join(names.get(m, m) for m in trains)} within tolerance at every step)")
+            f"training agrees ({', '.join(_TRAINS.get(m, m) for m in trains)} within tolerance at every step)")
 
 
 def settled_by(found: dict | None) -> tuple:
-    """The fields the tensor diff's exactly recomputed links settle (SETTLES)."""
-    return tuple(k for link in (found or {}).get("chain", []) if link.get("exact") and link.get("candidates")
-                 for k in SETTLES.get(link["tensor"], ()))
+    """The fields the tensor diff's exactly recomputed links settle (SETTLES): those on which every candidate the
+    link found alike agrees (a field a candidate leaves out is the spec's own value)."""
+    out = []
+    for link in (found or {}).get("chain", []):
+        cands = link.get("candidates") or []
+        if link.get("exact") and cands:
+            out += [k for k in SETTLES.get(link["tensor"], ())
+                    if len({json.dumps(c.get(k, "spec's own"), default=str) for c in cands}) == 1]
+    return tuple(out)
+
+
+def _loss_value_alone(search: Search, state: Trial, yours) -> bool:
+    """The search stopped where only the loss parts, not below rounding (that goes to float32), and your loop's
+    grad_norm, logged and finite at that step, agrees there."""
+    step = state.agree + 1
+    if state.agree >= search.steps or state.outside != ["loss"] or search.below_rounding:
+        return False
+    if "grad_norm" not in search.judge.columns or "grad_norm" not in yours.columns:
+        return False
+    row = search.judge.rows.get(step, {})
+    value = row.get("grad_norm") if hasattr(row, "get") else None
+    return value is not None and math.isfinite(float(value))
 
 
 def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:
@@ -948,6 +974,8 @@ def _loss_in_value_only(result: dict, value_only: int | None) -> dict:
     metrics = result.get("metrics", {})
     if value_only is None or "loss" not in outside or "grad_norm" not in metrics or "grad_norm" in outside:
         return result
+    if "param_rel_l2" not in metrics or metrics["loss"].get("non_finite_steps"):  # a norm alone says too little;
+        return result  # a NaN loss is a divergence, never a value defined otherwise
     rest = [m for m in outside if m != "loss"]
     if not all(is_derived(m) for m in rest):
         return result
@@ -955,18 +983,18 @@ def _loss_in_value_only(result: dict, value_only: int | None) -> dict:
     if rest:
         out["defined_differently"] = sorted(set(out.get("defined_differently", [])) | set(rest))
     out["loss_in_value_only"] = {"from_step": metrics["loss"].get("first_outside"),
-                                 "agrees": [m for m in ("grad_norm", "param_rel_l2") if m in metrics]}
+                                 "agrees": ["grad_norm", "param_rel_l2"]}
     out["notes"].append("your loss differs in value alone: " + loss_in_value_words(out))
     return out
 
 
 def loss_in_value_words(result: dict) -> str:
+    """'your logged loss is defined otherwise in value (...), while grad_norm and the final weights agree ...'."""
     v = result["loss_in_value_only"]
-    names = {"param_rel_l2": "the final weights"}
     return (f"your logged loss is defined otherwise in value (outside tolerance from step {v['from_step']}), while "
-            f"{' and '.join(names.get(m, m) for m in v['agrees'])} agree at every step: a loss with TRL's gradient and "
-            "another value (-logp * A, say, where TRL's is -ratio * A with the ratio 1; or a mean over micro-batches "
-            "logged in place of their sum)")
+            f"{' and '.join(_TRAINS.get(m, m) for m in v['agrees'])} agree at every compared step: a loss whose "
+            "gradient agrees with TRL's within tolerance and whose value does not (-logp * A, say, where TRL's is "
+            "-ratio * A with the ratio 1; or a mean over micro-batches logged in place of their sum)")
 
 
 def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:

@@ -389,29 +389,37 @@ def _loss(a, spec, atol, rtol) -> dict:
     if hits:
         return {"how": f"your per-token losses, aggregated as LOSS_NORM = {hits[0]!r}, give your loss",
                 "candidates": [{"LOSS_NORM": h} for h in hits], "exact": True}
-    how = "the loss's normalisation is none the built-in loop has: "
-    return {"how": how + divisor_words(sums, counts, target, spec.GRAD_ACCUM), "candidates": [], "own_inputs": True}
+    how = "the loss's normalisation is none the built-in loop has" + (
+        " (a mean per micro-batch, token_local, is not recomputed with GRAD_ACCUM above 1: its micro-batches may be "
+        "shuffled)" if spec.GRAD_ACCUM > 1 else "")
+    said, read = divisor_words(sums, counts, target, spec.GRAD_ACCUM)
+    return {"how": f"{how}: {said}", "candidates": [], **({"own_inputs": True} if read else {})}
 
 
-def divisor_words(sums: list[float], counts: list[float], loss: float, grad_accum: int) -> str:
-    """What your loss divides the masked per-token losses' sum by, in words, against the tokens the mask holds (TRL's
-    dapo divides by those) and the longest completion: a divisor above that per completion counts positions outside
-    the completions (nano-aha-moment once divided by every position of its padded batch, prompt and padding)."""
+def divisor_words(sums: list[float], counts: list[float], loss: float, grad_accum: int) -> tuple[str, bool]:
+    """(What your loss divides the masked per-token losses' sum by, in words; whether a divisor was read.) Against
+    the tokens the mask holds (TRL's dapo divides by those) and the longest completion: a divisor above that per
+    completion counts positions outside the completions, or is a fixed length (nano-aha-moment once divided by every
+    position of its padded batch, prompt and padding included)."""
     total, tokens, n = sum(sums), sum(counts), max(len(counts), 1)
-    k = total / loss if loss else math.nan
+    if not math.isfinite(loss) or loss == 0:
+        return f"your loss is {loss:g}: no divisor can be read from it", False
+    if abs(total) < 1e-3 * max(sum(abs(x) for x in sums), 1e-30):
+        return "the masked per-token losses sum to nearly 0 (they cancel): no divisor can be read from it", False
+    k = total / loss
     if not math.isfinite(k) or k <= 0:
-        return "it is not a positive multiple of the masked per-token losses' sum"
+        return "it is not a positive multiple of the masked per-token losses' sum", False
     longest = max(counts, default=0)
     smallest = k / grad_accum
     out = f"your loss is the masked per-token losses' sum divided by {k:.4g}"
     if grad_accum > 1:
         out += f" ({smallest:.4g} if what you log is the mean of your {grad_accum} micro-batches' losses)"
-    out += (f"; the mask holds {tokens:.0f} tokens in {n} completions, the longest {longest:.0f} (TRL's dapo divides "
-            "by the tokens)")
+    out += (f"; the mask holds {tokens:.0f} tokens in {n} completion{'s' * (n != 1)}, the longest {longest:.0f} "
+            "(TRL's dapo divides by the tokens)")
     if smallest / n > longest + 0.5:
-        out += (f"; {smallest:.4g} is {smallest / n:.3g} per completion, more than the longest completion, as if "
-                "positions outside the completions (the prompt, the padding) were counted")
-    return out
+        out += (f"; {smallest:.4g} is {smallest / n:.3g} per completion, more than the longest completion: positions "
+                "outside the completions (the prompt, the padding) counted, or a fixed length")
+    return out, True
 
 
 def words(found: dict | None) -> str | None:
