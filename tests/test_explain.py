@@ -282,7 +282,7 @@ def test_a_loss_divided_by_positions_outside_the_completions_is_named_with_its_d
     padding included) and logs the mean of its micro-batches' losses: the divisor is named from your own tensors,
     by hand here (sum 3.5 over 3 tokens, 2 completions, 5 positions each: 10, and 20 logged over 2 micro-batches),
     even when the per-token losses before it differ too (nano's -logp * A is not TRL's -ratio * A in value)."""
-    from harness.diagnose.tensordiff import diff
+    from harness.diagnose.tensordiff import diff, divisor_words
 
     spec = load_spec(DEFAULT_SPEC, ["GROUP_SIZE=2", "GRAD_ACCUM=2", 'LOSS_NORM="token_global"'])
     per_token, mask = [[0.5, 1.0], [2.0, 0.0]], [[1, 1], [1, 0]]
@@ -299,8 +299,6 @@ def test_a_loss_divided_by_positions_outside_the_completions_is_named_with_its_d
     within = diff({1: {**mine[1], "loss": 3.5 / 6}}, ref, spec, {1: [2, 2]}, [2], False)  # 1.5 per completion
     how = next(c for c in within["chain"] if c["tensor"] == "loss")["how"]
     assert "divided by 6 (3 if" in how and "more than the longest" not in how, how
-    from harness.diagnose.tensordiff import divisor_words
-
     for loss, words in ((0.0, "your loss is 0: no divisor"), (float("nan"), "your loss is nan: no divisor")):
         assert divisor_words([0.5, 2.0], [2, 1], loss, 1) == (f"{words} can be read from it", False)
         link = next(c for c in diff({1: {**mine[1], "loss": loss}}, ref, spec, {1: [2, 2]}, [2], False)["chain"]

@@ -676,7 +676,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
     state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     value_only = None
-    if _loss_value_alone(search, state, yours):  # -logp * A, say: judged again on the gradient
+    if _loss_value_alone(search, state):  # -logp * A, say: judged again on the gradient
         value_only = state.agree + 1
         log(f"    explain: at step {value_only} only the loss's value parts, the gradient norm agrees: searched again "
             "without the logged loss (judged on grad_norm; the final weights are compared at the end)")
@@ -873,16 +873,14 @@ def settled_by(found: dict | None) -> tuple:
     return tuple(out)
 
 
-def _loss_value_alone(search: Search, state: Trial, yours) -> bool:
+def _loss_value_alone(search: Search, state: Trial) -> bool:
     """The search stopped where only the loss parts, not below rounding (that goes to float32), and your loop's
     grad_norm, logged and finite at that step, agrees there."""
-    step = state.agree + 1
     if state.agree >= search.steps or state.outside != ["loss"] or search.below_rounding:
         return False
-    if "grad_norm" not in search.judge.columns or "grad_norm" not in yours.columns:
+    if "grad_norm" not in search.judge.columns:  # the judge's columns are the ones your loop logs
         return False
-    row = search.judge.rows.get(step, {})
-    value = row.get("grad_norm") if hasattr(row, "get") else None
+    value = search.judge.rows.get(state.agree + 1, {}).get("grad_norm")
     return value is not None and math.isfinite(float(value))
 
 
@@ -966,8 +964,9 @@ def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope
 
 def _loss_in_value_only(result: dict, value_only: int | None) -> dict:
     """A comparison in which, where the search found your loss differing in value alone (`value_only`: the step),
-    the loss parting is not a divergence when grad_norm agrees at every step and nothing else parts but statistics
-    defined differently: `loss_in_value_only` says from which step, and what agrees."""
+    the loss parting is not a divergence when grad_norm and the final weights are compared and agree, the loss is
+    finite, and nothing else parts but statistics defined differently: `loss_in_value_only` says from which step,
+    and what agrees."""
     from harness.diagnose.compare import is_derived
 
     outside = result.get("outside", [])
