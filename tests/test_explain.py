@@ -518,3 +518,39 @@ def test_clip_thresholds_that_reproduce_the_loop_alike_are_all_named():
     assert said.startswith("max_grad_norm: 0.1 and 0.5 each reproduce your loop over all 30 steps"), said
     assert "of the 4 your loop logged: 0.1: 3, 0.5: 3" in said and said.endswith("the table says 0.5"), said
     assert "0: 0, 0.1: 3" in clip_alike_words(0.1, [0.0], [0.9, 0.007, 2.0, 0.58], 30)
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_settled_field_is_never_offered_to_the_search(tmp_path, monkeypatch, settle):
+    """At the Search level: the exact guess (the population std) is kept and settles the advantages' fields, so no
+    later round tries ADV_SCALE, STD_EPS or STD_EPS_INSIDE, though the search goes on to a later step (beta from step
+    2). Without `settles` the same rounds do try them (what the nano-aha-moment search once kept by mistake)."""
+    import scratch_grpo.train
+    from harness.diagnose.explain import SETTLES, Search
+
+    tried: list[dict] = []
+
+    def loss(step, spec):
+        return 1.0 + (0.3 if spec.STD == "population" else 0.0) + (0.1 if spec.BETA == 0.04 and step >= 2 else 0.0)
+
+    def fake_train(spec, folder, rollout_source=None, progress=False, stop_when=None, warm=None, **_):
+        tried.append({k: getattr(spec, k) for k in SETTLES["advantages"]})
+        for step in range(1, spec.STEPS + 1):
+            if stop_when({"step": step, "loss": loss(step, spec), "grad_norm": 1.0}):
+                return
+
+    monkeypatch.setattr(scratch_grpo.train, "train", fake_train)
+    base = load_spec(DEFAULT_SPEC, ["STEPS=4", "BETA=0.0", 'STD="bessel"'])
+    yours_spec = load_spec(DEFAULT_SPEC, ["STEPS=4", "BETA=0.04", 'STD="population"'])
+    yours = pd.DataFrame([{"step": s, "loss": loss(s, yours_spec), "grad_norm": 1.0}
+                          for s in range(1, 5)]).set_index("step", drop=False)
+    search = Search(base, yours, [], tmp_path, log=lambda *_: None)
+    state, trace = search.run({}, [{"STD": "population"}], exact_first=True,
+                              settles=SETTLES["advantages"] if settle else ())
+    assert state.changes == {"STD": "population", "BETA": 0.04} and state.agree == 4, state.changes
+    assert trace[0]["from_tensors"] and trace[1]["changes"] == {"BETA": 0.04}
+    others = {(k, v) for t in tried for k, v in t.items() if k != "STD" and v != getattr(base, k)}
+    if settle:
+        assert search.settled == set(SETTLES["advantages"]) and not others, others
+    else:
+        assert {k for k, _ in others} >= {"ADV_SCALE", "STD_EPS", "STD_EPS_INSIDE"}, others
