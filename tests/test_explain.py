@@ -554,3 +554,58 @@ def test_a_settled_field_is_never_offered_to_the_search(tmp_path, monkeypatch, s
         assert search.settled == set(SETTLES["advantages"]) and not others, others
     else:
         assert {k for k, _ in others} >= {"ADV_SCALE", "STD_EPS", "STD_EPS_INSIDE"}, others
+
+
+def test_a_float32_search_after_the_loss_in_value_only_pass_also_judges_without_the_loss(tmp_path, monkeypatch):
+    """Your loop's loss is 3 higher than TRL's from step 2 in value alone (its grad_norm agrees); beta acts on the
+    grad_norm from step 2 and a std epsilon moves it by 0.8 bounds at step 4, where your bf16 run is 1.5 bounds off
+    by its own rounding. The bf16 search (judged without the loss from step 2) keeps beta and stops below rounding;
+    the float32 re-run judges as it did (no loss column), so it reaches parity with beta alone, where a float32
+    search judged on the loss would part at step 2."""
+    import dataclasses
+
+    import loop_runner.run
+    import scratch_grpo.train
+    from harness.diagnose.compare import load_tolerances, tolerance_for
+    from harness.diagnose.explain import Search, in_float32
+
+    t = tolerance_for(load_tolerances(), "lockstep", "float32", "grad_norm")
+    bound = t.get("atol", 0.0) + t.get("rtol", 0.0) * 1.1
+
+    def grad_norm(step, beta, std_eps, rounding=0.0):
+        return (1.0 + (0.1 if beta == 0.04 and step >= 2 else 0.0)
+                + (0.8 * bound if std_eps == 1e-8 and step == 4 else 0.0) + (rounding if step == 4 else 0.0))
+
+    def yours_rows(rounding):
+        return [{"step": s, "loss": 1.0 + (3.0 if s >= 2 else 0.0), "grad_norm": grad_norm(s, 0.04, 1e-4, rounding)}
+                for s in range(1, 6)]
+
+    def fake_train(spec, folder, rollout_source=None, progress=False, stop_when=None, warm=None, **_):
+        for step in range(1, spec.STEPS + 1):
+            if stop_when({"step": step, "loss": 1.0, "grad_norm": grad_norm(step, spec.BETA, spec.STD_EPS)}):
+                return
+
+    def fake_loop(spec, out_dir, rollouts=None, progress=False, log=print):  # your loop in float32: no rounding
+        out_dir.mkdir(parents=True)
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in yours_rows(0.0)))
+        return out_dir
+
+    monkeypatch.setattr(scratch_grpo.train, "train", fake_train)
+    monkeypatch.setattr(loop_runner.run, "train", fake_loop)
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=5", "BETA=0.0", 'TOLERANCE="static"'])  # judged on float32's bound
+    (tmp_path / "yours").mkdir()
+    rows = yours_rows(1.5 * bound)
+    (tmp_path / "yours" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    search = Search(spec, pd.DataFrame(rows).set_index("step", drop=False), [], tmp_path / "explain",
+                    log=lambda *_: None)
+    search.without_loss(2)
+    state, _trace = search.run({})
+    assert state.changes == {"BETA": 0.04} and search.below_rounding["at_step"] == 4, state.changes
+    out = in_float32(dataclasses.replace(spec, DTYPE="bfloat16"), tmp_path, [], search, state, {},
+                     log=lambda *_: None)
+    assert out is not None
+    _spec32, again, state32, _trace32, _dir, _env = out
+    assert again.value_only == 2 and "loss" not in again.judge.columns
+    assert state32.changes == {"BETA": 0.04} and state32.agree == 5, (state32.changes, state32.agree)
+    assert json.loads((tmp_path / "explain" / "float32" / "search" / "search.json").read_text())[
+        "loss_in_value_only_from"] == 2
