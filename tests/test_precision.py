@@ -88,3 +88,64 @@ def test_the_float32_check_is_a_switch(monkeypatch):
     assert P.wants_float32(cell, "lockstep")
     on = dataclasses.replace(cell, spec=small_spec('DTYPE="bfloat16"', 'FLOAT32_CHECK="on"'))
     assert P.wants_float32(on, "lockstep")
+
+
+def _your_loop(tmp_path, flags: str, *overrides: str, hard_bf16: bool = False):
+    """The example loop as a user's loop (`hard_bf16`: behind a wrapper that runs it in bf16 whatever DTYPE says,
+    as a loop with bf16 written into it does)."""
+    import json
+    import sys
+
+    from conftest import ROOT
+
+    command = f"{sys.executable} {ROOT / 'examples' / 'my_grpo.py'} {flags}"
+    if hard_bf16:
+        wrapper = tmp_path / "hard_bf16.py"
+        wrapper.write_text(
+            "import json, os, runpy, sys\n"
+            "spec = json.load(open(os.environ['PARITY_SPEC']))\n"
+            "spec['DTYPE'] = 'bfloat16'\n"
+            "path = os.path.join(os.path.dirname(os.environ['PARITY_METRICS']), 'spec_bf16.json')\n"
+            "json.dump(spec, open(path, 'w'))\n"
+            "os.environ['PARITY_SPEC'] = path\n"
+            f"sys.argv = [{str(ROOT / 'examples' / 'my_grpo.py')!r}, *sys.argv[1:]]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+        command = f"{sys.executable} {wrapper} {flags}"
+    return small_spec(f"loop.command={json.dumps(command)}", 'DTYPE="bfloat16"', *overrides)
+
+
+@pytest.mark.slow
+def test_your_loop_at_parity_in_bf16_is_checked_in_float32(tmp_path):
+    """Your loop with Adam's beta2 0.9 (the spec's TRL has 0.99) is at parity with TRL over 6 bf16 steps: the same
+    pair in float32 on the same rollouts parts at step 3, the explanation there names adam_beta2 and TRL with it is
+    at parity; the verdict says the bf16 parity hides it, with when it would show."""
+    spec = _your_loop(tmp_path, "--adam-beta2 0.9", "STEPS=6")
+    doc = M.run_matrix(spec, tmp_path / "run", "none", log=lambda *_: None)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "parity" and cell["ok"], cell.get("error")
+    found = cell["precision"]
+    assert found["loop"] and found["first_divergence"] == {"step": 3, "metric": "grad_norm"}, found
+    assert found["confirmed"] == ["adam_beta2"]
+    est = found["estimate"]  # on the weights, with the explained built-in loop standing in for yours
+    assert est["step"] is not None and est["step"] > 6 and est["effect_p"] > est["bound_p"] and len(found["effect"]) == 6
+    assert (tmp_path / "run" / "yours-vs-trl" / "float32" / "yours").is_dir()
+    assert "adam_beta2 = 0.9" in (tmp_path / "run" / "your_loop_in_trl.toml").read_text()
+    text = M.format_verdict(doc)
+    assert "shows in float32 only (see below)" in text
+    below = " ".join(text.split("(see below)", 1)[1].split())
+    assert "in bfloat16 the sides' own rounding hides it over 6 steps" in below
+    assert "ADAM_BETA2 = 0.9: your loop uses Adam beta2 0.9" in below
+    assert f"after about {est['step']} steps" in below and "standing in for your loop's weights" in below
+
+
+@pytest.mark.slow
+def test_a_loop_that_ignores_dtype_is_told_float32_cannot_check_it(tmp_path):
+    """A loop that runs in bf16 whatever the spec says logs the same in its 'float32' run: no float32 claim, and
+    the verdict says why and what would let it be checked."""
+    spec = _your_loop(tmp_path, "--adam-beta2 0.9", "STEPS=3", hard_bf16=True)
+    doc = M.run_matrix(spec, tmp_path / "run", "none", log=lambda *_: None)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "parity" and cell["precision"].get("loop_ignores_dtype"), cell.get("precision")
+    assert cell["precision"]["first_divergence"] is None and "cannot_show" not in cell
+    assert any("does not read DTYPE from PARITY_SPEC" in n for n in cell["notes"])
+    assert not (tmp_path / "run" / "yours-vs-trl" / "float32" / "trl").exists()  # no TRL run to compare it with

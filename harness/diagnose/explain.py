@@ -45,7 +45,7 @@ import shutil
 import time
 from pathlib import Path
 
-from harness.diagnose import noise
+from harness.diagnose import noise, precision
 from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.tensordiff import CLIP_NORMS, words as tensor_words
@@ -733,7 +733,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     final_fd = final.get("first_divergence")
     derived = final.get("defined_differently", [])
     weights_off = "param_rel_l2" in final.get("outside", [])
-    path = cell_dir.parent / EXPLAIN_FILE
+    cell, path = cell_dir.name, cell_dir.parent / EXPLAIN_FILE  # beside verdict.json
+    if cell_dir.name == precision.FOLDER:  # a cell's float32 pair (precision.escalate_loop)
+        cell, path = f"{cell_dir.parent.name}, its float32 pair", cell_dir.parent.parent / EXPLAIN_FILE
     confirmed_by_trl = None
     if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
         confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope, value_only)
@@ -754,9 +756,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
         sentence += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
     if confirmed_by_trl is False:
         sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
-    _write_table(path, trl, quirks, cell_dir.name, search.runs, status)
+    _write_table(path, trl, quirks, cell, search.runs, status)
     entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
-                 runs=search.runs, written=str(path), defined_differently=derived,
+                 runs=search.runs, written=str(path), defined_differently=derived, matched_by=state.folder,
                  confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
     entry["cost"] = {**cost, "runs": search.runs, "seconds": round(time.perf_counter() - t0, 1)}
     log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
@@ -790,7 +792,7 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
         return None
     yours = load_any_run(root / "yours")
     before = load_any_run(Path(cell_dir) / "yours")
-    same = _same_log(yours, before, [c for c in ("grad_norm", "loss") if c in yours and c in before])
+    same = same_log(yours, before, [c for c in ("grad_norm", "loss") if c in yours and c in before])
     base = scratch_as_trl(spec32)
     envelope = None
     if spec32.TOLERANCE == "calibrated":  # the float32 noise twin of what bf16 found
@@ -812,7 +814,7 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     return spec32, again, state32, trace, root / "yours", envelope
 
 
-def _same_log(a, b, columns: list[str]) -> bool:
+def same_log(a, b, columns: list[str]) -> bool:
     """Two runs logged exactly the same values of `columns` at every step both logged (the step-1 loss alone is
     the same in any dtype: the ratio is 1 and the KL 0 there, so it is the advantages' mean)."""
     steps = a.index.intersection(b.index)

@@ -186,6 +186,20 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
                 why = small_effect_reason(result, cell_dir, cell.spec, details, v["updates"])
             if why:
                 v["cannot_show"] = why
+        elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it
+            try:
+                v["precision"] = found = precision.escalate_loop(cell, result, cell_dir, log)
+                if found["first_divergence"]:
+                    v["cannot_show"] = found["words"]  # the table: "shows in float32 only (see below)"
+                else:
+                    v["notes"].append(found["words"])
+            except WorkerDied:
+                raise
+            except Exception as e:  # the bf16 parity stands; the float32 pair's failure is said
+                v["precision"] = {"error": f"{type(e).__name__}: {e}"}
+                v["notes"].append(f"the float32 check of your loop failed ({type(e).__name__}: {str(e)[:300]}); the "
+                                  f"{cell.spec.DTYPE} parity stands unchecked")
+                log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
         v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
     except Exception as e:  # one failing cell never takes the others down
@@ -502,6 +516,25 @@ def _fix_sentence(cell: dict) -> str | None:
     return "; ".join(found) if found else None
 
 
+def _your_loop_found(c: dict) -> tuple[str, list[str]]:
+    """What the explanation found for your loop (its first attribution entry): the words that end the headline's
+    sentence, and one item per cause, difference and note."""
+    lead = c["attribution_detail"][0]
+    cost = lead.get("cost") or {}
+    said = (" Re-running the built-in loop, set up as TRL, on the same rollouts with candidate settings "
+            + ("found settings that reproduce your loop within tolerance" if lead["status"] == "confirmed"
+               else "found no full match")
+            + f" ({cost.get('runs', 0)} runs, {cost.get('steps', 0)} steps, {cost.get('seconds', 0):g} s):")
+    items = [_capital(why) + "." for why in _fix_sentences(c)]
+    for d in lead.get("differences") or []:
+        how = ", ".join(f"{k} = {toml_value(v)}" for k, v in d["trl"].items())
+        items.append(f"{d['field']} = {toml_value(d['value'])}: {d['words']}"
+                     + (f" ([trl] {how})" if d["trl"] else " (TRL has no setting for it)")
+                     + (", read from your log" if d.get("read_from_log") else "") + ".")
+    items += [_capital(n) + "." for n in lead.get("notes", [])]
+    return said, items
+
+
 def headline(doc: dict) -> dict:
     """The report's first words: one plain sentence, and what to change, one line per cause."""
     cells = doc.get("cells", [])
@@ -514,7 +547,12 @@ def headline(doc: dict) -> dict:
         if not fd:
             within = ("within the seed-to-seed noise (free mode)" if doc.get("mode") == "free"
                       else "on every step within tolerance (lockstep mode)")
-            if c.get("cannot_show"):  # what the table's "see below" points at
+            if c.get("cannot_show") and (c.get("precision") or {}).get("loop"):  # your loop, parted in float32 only
+                said, found = _your_loop_found({**c, "attribution_detail": c["precision"]["attribution_detail"]})
+                items += [f"{_capital(c['cannot_show'])}.", f"In float32,{said[:2].lower()}{said[2:]}", *found]
+                within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
+                          "pair in float32 parts")
+            elif c.get("cannot_show"):  # what the table's "see below" points at
                 items.append(f"{_capital(_cause_of_no_effect(c))}. {_capital(c['cannot_show'])}.")
                 if _shown_in_float32(c):
                     within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
@@ -529,20 +567,8 @@ def headline(doc: dict) -> dict:
         confirmed = [d for d in detail if d.get("status") == "confirmed"]
         reruns = max((d.get("reruns", 0) + d.get("reused", 0) for d in detail), default=0)
         if "yours" in c.get("sides", ()) and detail and detail[0].get("differences") is not None:
-            lead = detail[0]
-            cost = lead.get("cost") or {}
-            sentence += (" Re-running the built-in loop, set up as TRL, on the same rollouts with candidate settings "
-                         + ("found settings that reproduce your loop within tolerance" if lead["status"] ==
-                            "confirmed" else "found no full match")
-                         + f" ({cost.get('runs', 0)} runs, {cost.get('steps', 0)} steps, {cost.get('seconds', 0):g} s):")
-            items += [_capital(why) + "." for why in _fix_sentences(c)]
-            for d in lead["differences"]:
-                how = ", ".join(f"{k} = {toml_value(v)}" for k, v in d["trl"].items())
-                items.append(f"{d['field']} = {toml_value(d['value'])}: {d['words']}"
-                             + (f" ([trl] {how})" if d["trl"] else " (TRL has no setting for it)")
-                             + (", read from your log" if d.get("read_from_log") else "") + ".")
-            items += [_capital(n) + "." for n in lead.get("notes", [])]
-            return {"sentence": sentence, "items": items}
+            said, found = _your_loop_found(c)
+            return {"sentence": sentence + said, "items": items + found}
         if confirmed and "yours" in c.get("sides", ()):
             sentence += " Re-running TRL on the same rollouts with other settings found what your loop does:"
         elif len(confirmed) > 1:

@@ -81,16 +81,17 @@ def steps_to_show(effect, bound) -> dict:
     return out
 
 
-def estimate_words(est: dict, dtype: str) -> str:
+def estimate_words(est: dict, dtype: str, on: str = "the weights") -> str:
+    """steps_to_show's answer in words, for the float32 effect `on` the weights (or a metric)."""
     if est["seen"]:
-        return f"its float32 effect is already beyond the {dtype} bound at step {est['step']}"
+        return f"its float32 effect on {on} is already beyond the {dtype} bound at step {est['step']}"
     if est["effect_p"] is None:
-        return "the float32 effect on the weights is too small or too short to say after how many steps it would show"
-    how = (f"the float32 effect on the weights grew as step^{est['effect_p']:g} and the {dtype} bound on them as "
+        return f"the float32 effect on {on} is too small or too short to say after how many steps it would show"
+    how = (f"the float32 effect on {on} grew as step^{est['effect_p']:g} and the {dtype} bound on it as "
            f"step^{est['bound_p']:g} from step {est['fitted_from']} on")
     if est["step"] is None:
         if est["as_fast"]:
-            return f"running longer in {dtype} would not show it on the weights: {how}"
+            return f"running longer in {dtype} would not show it on {on}: {how}"
         return f"{how}: at that pace it would show in {dtype} only after more than {HORIZON:,} steps"
     return (f"{how}: at that pace it would leave the {dtype} bound after about {est['step']} steps (an extrapolation; "
             "another metric may part sooner)")
@@ -167,3 +168,96 @@ def _words(found: dict, est: dict | None, est32: dict | None) -> str:
     if est is not None:
         text += f"; {estimate_words(est, dtype)}"
     return text
+
+
+# ---------------------------------------------------------------------------------------------
+# your loop at parity in bf16
+# ---------------------------------------------------------------------------------------------
+def wants_float32_loop(cell, mode: str, result: dict) -> bool:
+    """Whether your loop's bf16 parity with TRL is worth a float32 pair: lockstep, one process, FLOAT32_CHECK not
+    `off`. At parity in bf16 a setting of your loop may still differ from TRL's below bf16's rounding over these
+    steps (Adam's beta2 0.9 against 0.98, a learning rate 2% apart) and part the curves later."""
+    return (cell.spec.FLOAT32_CHECK != "off" and mode == "lockstep" and cell.spec.DTYPE != "float32"
+            and tuple(cell.sides) == ("yours", "trl") and cell.spec.PROCESSES == 1
+            and result.get("first_divergence") is None)
+
+
+def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
+    """Your loop and TRL again in float32 into cell_dir/float32, on the bf16 pair's own rollouts (training only,
+    as the explanation's float32 search runs), with a float32 noise twin of the built-in loop for the tolerance.
+    Where the two part, the explanation runs there (what TRL setting makes it your loop). Where your loop's float32
+    run logs exactly what its bf16 run did, it does not read DTYPE and float32 can tell nothing: said so."""
+    import shutil
+
+    from harness.diagnose.attribution import attribute
+    from harness.diagnose.compare import load_any_run, load_tolerances
+    from harness.diagnose.explain import same_log
+    from harness.diagnose.pairs import compare_sides, twin_envelope
+    from harness.diagnose.preflight import apply_alignment
+    from harness.diagnose import noise
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
+    from harness.runlog.params import relative_l2
+    from loop_runner.run import train as train_loop
+    from scratch_grpo.train import train as train_scratch
+    from trl_runner.runner import train as train_trl
+
+    dtype, steps = cell.spec.DTYPE, cell.spec.STEPS
+    spec32 = apply_alignment(cell.spec, {"set": FLOAT32})
+    folder = Path(cell_dir) / FOLDER
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name in (ROLLOUTS_FILE, LOOP_ROLLOUTS_FILE):
+        shutil.copyfile(Path(cell_dir) / name, folder / name)
+    records = ReplaySource.from_file(folder / ROLLOUTS_FILE).records
+    log(f"    {cell.name}: parity in {dtype}; your loop and TRL again in float32 on the same rollouts ({steps} steps), "
+        f"since {dtype}'s rounding can hide a setting over a few steps")
+    out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": None, "attribution_detail": [],
+           "effect": [], "confirmed": [], "loop": True}
+    train_loop(spec32, folder / "yours", rollouts=folder / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
+    mine, before = load_any_run(folder / "yours"), load_any_run(Path(cell_dir) / "yours")
+    if same_log(mine, before, [c for c in ("grad_norm", "loss") if c in mine and c in before]) and steps > 1:
+        out["loop_ignores_dtype"] = True
+        out["words"] = (f"your loop's float32 run logged exactly what its {dtype} run did, step for step: it does not "
+                        f"read DTYPE from PARITY_SPEC, so float32 cannot show what {dtype}'s rounding may hide (read "
+                        "DTYPE as examples/my_grpo.py does to have it checked)")
+        return out
+    envelope, k = None, noise.k_of(load_tolerances())
+    if spec32.TOLERANCE == "calibrated":  # the float32 noise twin, as a float32 pair's scratch side makes it
+        for name, twin in (("scratch", False), ("twin", True)):
+            train_scratch(spec32, folder / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
+        envelope = twin_envelope(folder / "scratch", folder / "twin")
+        noise.save(envelope, folder, k, str(folder / "twin"))
+    train_trl(spec32, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
+    result32 = compare_sides(spec32, folder / "yours", folder / "trl", "lockstep", envelope)
+    out["first_divergence"] = fd = result32["first_divergence"]
+    if fd is not None:
+        out["attribution_detail"] = details = attribute(dataclasses.replace(cell, spec=spec32), result32, folder,
+                                                        "lockstep", False, log)
+        out["confirmed"] = [d["cause"] for d in details if d.get("status") == "confirmed"]
+        # your loop saves its weights at its last step only: the built-in loop with what the explanation found,
+        # which matched your loop at every step, stands in for it on the weights per step
+        matched = next((d.get("matched_by") for d in details if d.get("status") == "confirmed"), None)
+        effect = relative_l2(Path(matched), folder / "trl") if matched else None
+        if effect:
+            out["effect"] = [float(e) for e in effect]
+            low = weights_bound(cell_dir, "lockstep", dtype, result.get("k_noise") or k, min(len(effect), steps))
+            out["bound"], out["estimate"] = low.tolist(), steps_to_show(out["effect"][:len(low)], low)
+    out["words"] = _loop_words(out)
+    return out
+
+
+def _loop_words(found: dict) -> str:
+    dtype, fd, steps = found["dtype"], found["first_divergence"], found["steps"]
+    if fd is None:
+        return (f"your loop and TRL agree in float32 too over {steps} steps: no difference below {dtype}'s rounding "
+                "shows at this length")
+    lead = found["attribution_detail"][:1]
+    text = (f"in float32 your loop parts from TRL at step {fd['step']} on {fd['metric']}"
+            + (f" ({lead[0]['cause']}, {lead[0].get('status')})" if lead else "")
+            + f"; in {dtype} the sides' own rounding hides it over {steps} steps")
+    est = found.get("estimate")
+    if est is None:
+        return text + (f"; no estimate of when it would show in {dtype}: your loop saves its weights at its last step "
+                       "only, and the explanation found no full match to stand in for them step by step")
+    return (text + "; with the built-in loop set up as the explanation found standing in for your loop's weights step "
+            "by step (yours are saved at the last step only), " + estimate_words(est, dtype))
