@@ -54,12 +54,12 @@ def test_a_difference_bf16_hides_is_shown_in_float32(tmp_path):
     assert "shows in float32 only (see below)" in text
     # what "see below" points at is there: the difference, what float32 showed, and the estimate
     below = text.split("(see below)", 1)[1]
-    assert "adam_beta2 = 0.99 in [trl]" in below and f"after about {est['step']} steps" in below
+    assert "adam_beta2 = 0.99 in [trl]" in below and f"after about {est['step']:,} steps" in below
     from reports.render import write_parity_report
 
     html = write_parity_report(tmp_path).read_text()
     assert "the difference the preflight lists shows in float32 only" in html and "as the preflight predicted" not in html
-    assert f"after about {est['step']} steps" in html
+    assert f"after about {est['step']:,} steps" in html
 
 
 def test_a_structural_reason_needs_no_float32_pair(tmp_path, monkeypatch):
@@ -135,7 +135,7 @@ def test_your_loop_at_parity_in_bf16_is_checked_in_float32(tmp_path):
     below = " ".join(text.split("(see below)", 1)[1].split())
     assert "in bfloat16 the sides' own rounding hides it over 6 steps" in below
     assert "ADAM_BETA2 = 0.9: your loop uses Adam beta2 0.9" in below
-    assert f"after about {est['step']} steps" in below and "standing in for your loop's weights" in below
+    assert f"after about {est['step']:,} steps" in below and "standing in for your loop's weights" in below
 
 
 @pytest.mark.slow

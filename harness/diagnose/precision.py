@@ -93,7 +93,7 @@ def estimate_words(est: dict, dtype: str, on: str = "the weights") -> str:
         if est["as_fast"]:
             return f"running longer in {dtype} would not show it on {on}: {how}"
         return f"{how}: at that pace it would show in {dtype} only after more than {HORIZON:,} steps"
-    return (f"{how}: at that pace it would leave the {dtype} bound after about {est['step']} steps (an extrapolation; "
+    return (f"{how}: at that pace it would leave the {dtype} bound after about {est['step']:,} steps (an extrapolation; "
             "another metric may part sooner)")
 
 
@@ -164,7 +164,7 @@ def _words(found: dict, est: dict | None, est32: dict | None) -> str:
         if why:
             text += f": {why[0]}"
         if est32 is not None and est32["step"] is not None:
-            text += f"; in float32 it would show after about {est32['step']} steps"
+            text += f"; in float32 it would show after about {est32['step']:,} steps"
     if est is not None:
         text += f"; {estimate_words(est, dtype)}"
     return text
