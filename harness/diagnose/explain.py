@@ -635,10 +635,11 @@ def _said(t: Trial, horizon: int) -> str:
     return parts if t.agree == 0 else f"agrees through step {t.agree}, then {parts}"
 
 
-def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
+def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, str] | None = None) -> list[dict]:
     """Explain the cell's divergence (your loop against TRL on the rollouts of `cell_dir`): the attribution entries,
     the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
-    written table where no quirk is left, match your loop at every step; `suspected` otherwise)."""
+    written table where no quirk is left, match your loop at every step; `suspected` otherwise). `table`: where
+    the TRL table goes and the cell it names (default: beside verdict.json, the cell folder's name)."""
     from harness.diagnose.compare import load_any_run
     from harness.diagnose.pairs import compare_sides
     from harness.diagnose.tensordiff import round_scores
@@ -733,9 +734,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print) -> list[dict]:
     final_fd = final.get("first_divergence")
     derived = final.get("defined_differently", [])
     weights_off = "param_rel_l2" in final.get("outside", [])
-    cell, path = cell_dir.name, cell_dir.parent / EXPLAIN_FILE  # beside verdict.json
-    if cell_dir.name == precision.FOLDER:  # a cell's float32 pair (precision.escalate_loop)
-        cell, path = f"{cell_dir.parent.name}, its float32 pair", cell_dir.parent.parent / EXPLAIN_FILE
+    path, cell = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
     confirmed_by_trl = None
     if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
         confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope, value_only)
@@ -771,35 +770,24 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     from what bf16 found. None when not needed (float32 already, or the search stopped for another reason) or when
     your loop fails in float32; else (spec, search, state, trace, your run's folder, envelope) in float32, the
     search's `escalated_from` saying where bf16 stopped."""
-    from harness.diagnose.compare import load_any_run
-    from harness.diagnose.pairs import twin_envelope
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ReplaySource
     from loop_runner.run import LoopError
-    from loop_runner.run import train as train_loop
-    from scratch_grpo.train import train as train_scratch
 
     if spec.DTYPE == "float32" or state.agree >= search.steps or not search.below_rounding:
         return None
     root = search.root / "float32"
-    spec32 = apply_alignment(spec, {"set": {"DTYPE": "float32", "MASTER_WEIGHTS": "float32"}})
+    spec32 = apply_alignment(spec, {"set": precision.FLOAT32})
     log(f"    explain: in {spec.DTYPE} the rest is below rounding from step {search.below_rounding['at_step']}: your "
         "loop and the search again in float32 on the same rollouts")
     t0 = time.perf_counter()
     try:
-        train_loop(spec32, root / "yours", rollouts=Path(cell_dir) / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
+        yours, same = precision.your_loop_in_float32(spec32, cell_dir, root)
     except LoopError as e:
         log(f"    explain: your loop in float32 failed ({str(e)[:200]}); the {spec.DTYPE} answer stands")
         return None
-    yours = load_any_run(root / "yours")
-    before = load_any_run(Path(cell_dir) / "yours")
-    same = same_log(yours, before, [c for c in ("grad_norm", "loss") if c in yours and c in before])
     base = scratch_as_trl(spec32)
     envelope = None
     if spec32.TOLERANCE == "calibrated":  # the float32 noise twin of what bf16 found
-        plain = apply_alignment(base, {"set": state.changes})
-        for name, twin in (("plain", False), ("twin", True)):
-            train_scratch(plain, root / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
-        envelope = twin_envelope(root / "plain", root / "twin")
+        envelope = precision.float32_twin(apply_alignment(base, {"set": state.changes}), records, root, "plain")
     search.warm = None  # the bf16 model: freed before the float32 one loads
     again = Search(base, yours, records, root / "search", envelope, search.log)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
@@ -807,19 +795,11 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may
         again.without_loss(search.value_only)  # differ in float32)
     again.escalated_from = {**search.below_rounding, "agree": state.agree, "found": state.changes,
-                            "loop_ignores_dtype": same}
+                            "loop_ignores_dtype": bool(same)}
     guess = {k: v for k, v in state.changes.items() if k not in read}
     state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
     again.save()
     return spec32, again, state32, trace, root / "yours", envelope
-
-
-def same_log(a, b, columns: list[str]) -> bool:
-    """Two runs logged exactly the same values of `columns` at every step both logged (the step-1 loss alone is
-    the same in any dtype: the ratio is 1 and the KL 0 there, so it is the advantages' mean)."""
-    steps = a.index.intersection(b.index)
-    return bool(len(steps) and columns) and all(
-        a.loc[steps, c].astype(float).equals(b.loc[steps, c].astype(float)) for c in columns)
 
 
 def escalated_words(where: dict, dtype: str) -> str:

@@ -189,17 +189,17 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it
             try:
                 v["precision"] = found = precision.escalate_loop(cell, result, cell_dir, log)
-                if found["first_divergence"]:
+                if found["finding"]:
                     v["cannot_show"] = found["words"]  # the table: "shows in float32 only (see below)"
-                else:
-                    v["notes"].append(found["words"])
             except WorkerDied:
                 raise
             except Exception as e:  # the bf16 parity stands; the float32 pair's failure is said
-                v["precision"] = {"error": f"{type(e).__name__}: {e}"}
-                v["notes"].append(f"the float32 check of your loop failed ({type(e).__name__}: {str(e)[:300]}); the "
-                                  f"{cell.spec.DTYPE} parity stands unchecked")
+                v["precision"] = {"error": f"{type(e).__name__}: {e}", "loop": True, "words": (
+                    f"the float32 check of your loop failed ({type(e).__name__}: {str(e)[:300]}); the "
+                    f"{cell.spec.DTYPE} parity stands unchecked")}
                 log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
+            if not v.get("cannot_show"):
+                v["notes"].append(v["precision"]["words"])
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
         v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
     except Exception as e:  # one failing cell never takes the others down
@@ -445,6 +445,8 @@ def _no_effect_label(v: dict) -> str:
 
 def _cell_line(v: dict) -> str:
     mark = "ok " if v["ok"] else "BAD"
+    if v.get("cannot_show") and (v.get("precision") or {}).get("loop"):  # your loop: parity, and what float32 showed
+        return f"{mark} parity in {v['precision'].get('dtype')}; {v['cannot_show']}"
     if v.get("cannot_show"):
         return f"n/a {_no_effect_label(v)}: {v['cannot_show']}"
     if v["verdict"] in ("failed", "error"):
@@ -547,16 +549,20 @@ def headline(doc: dict) -> dict:
         if not fd:
             within = ("within the seed-to-seed noise (free mode)" if doc.get("mode") == "free"
                       else "on every step within tolerance (lockstep mode)")
-            if c.get("cannot_show") and (c.get("precision") or {}).get("loop"):  # your loop, parted in float32 only
-                said, found = _your_loop_found({**c, "attribution_detail": c["precision"]["attribution_detail"]})
-                items += [f"{_capital(c['cannot_show'])}.", f"In float32,{said[:2].lower()}{said[2:]}", *found]
-                within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
-                          "pair in float32 parts")
+            loop = c.get("precision") or {}
+            if not loop.get("loop"):
+                loop = {}
+            if c.get("cannot_show") and loop.get("attribution_detail"):  # your loop, parted in float32 only
+                said, found = _your_loop_found({**c, "attribution_detail": loop["attribution_detail"]})
+                items += [f"{_capital(c['cannot_show'])}.", f"In float32,{said[:2].lower()}{said[2:-1]}.",
+                          *[i for i in found if not i.startswith("At step ")]]  # the first item says where
             elif c.get("cannot_show"):  # what the table's "see below" points at
                 items.append(f"{_capital(_cause_of_no_effect(c))}. {_capital(c['cannot_show'])}.")
-                if _shown_in_float32(c):
-                    within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
-                              "pair in float32 parts")
+            elif loop.get("words"):  # your loop's float32 check: agrees too, cannot tell, or failed
+                items.append(f"{_capital(loop['words'])}.")
+            if c.get("cannot_show") and _shown_in_float32(c):
+                within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
+                          "pair in float32 parts")
             if c.get("defined_differently"):
                 from harness.diagnose.explain import defined_differently_words
 

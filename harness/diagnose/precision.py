@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
+
+from harness.diagnose import noise
 
 MIN_STEPS = 3  # Adam's betas change nothing before the second update (step 3)
 FLOAT32 = {"DTYPE": "float32", "MASTER_WEIGHTS": "float32"}
@@ -93,8 +96,8 @@ def estimate_words(est: dict, dtype: str, on: str = "the weights") -> str:
         if est["as_fast"]:
             return f"running longer in {dtype} would not show it on {on}: {how}"
         return f"{how}: at that pace it would show in {dtype} only after more than {HORIZON:,} steps"
-    return (f"{how}: at that pace it would leave the {dtype} bound after about {est['step']:,} steps (an extrapolation; "
-            "another metric may part sooner)")
+    return (f"{how}: at that pace it would leave the {dtype} bound after about {est['step']:,} steps (an extrapolation: "
+            "it may show sooner on another metric, or much later)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +106,6 @@ def estimate_words(est: dict, dtype: str, on: str = "the weights") -> str:
 def weights_bound(cell_dir: Path, mode: str, dtype: str, k: float, steps: int) -> np.ndarray:
     """The bound a pair in `cell_dir` held the weights' distance to, per step: its noise twin's (calibrated), else
     the static one."""
-    from harness.diagnose import noise
     from harness.diagnose.compare import load_tolerances, param_limit
 
     env = noise.load(cell_dir)
@@ -182,23 +184,55 @@ def wants_float32_loop(cell, mode: str, result: dict) -> bool:
             and result.get("first_divergence") is None)
 
 
+def your_loop_in_float32(spec32, cell_dir: Path, root: Path, name: str = "yours"):
+    """Your loop in float32 into root/name, on the cell's own loop rollouts: (its metric log, whether it logged
+    exactly what its run in cell_dir/yours did, so that it does not read DTYPE). The second is None when nothing
+    both log can tell: the step-1 loss is the same in any dtype (the ratio is 1 and the KL 0 there, so it is the
+    advantages' mean), so one step needs grad_norm. LoopError when your loop fails."""
+    from harness.diagnose.compare import load_any_run
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
+    from loop_runner.run import train as train_loop
+
+    train_loop(spec32, root / name, rollouts=Path(cell_dir) / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
+    mine, before = load_any_run(root / name), load_any_run(Path(cell_dir) / "yours")
+    steps = mine.index.intersection(before.index)
+    cols = [c for c in ("grad_norm", "loss") if c in mine and c in before and (c != "loss" or len(steps) > 1)]
+    return mine, (same_log(mine, before, cols) if cols else None)
+
+
+def same_log(a, b, columns: list[str]) -> bool:
+    """Two runs logged exactly the same values of `columns` at every step both logged."""
+    steps = a.index.intersection(b.index)
+    return bool(len(steps) and columns) and all(
+        a.loc[steps, c].astype(float).equals(b.loc[steps, c].astype(float)) for c in columns)
+
+
+def float32_twin(spec32, records, root: Path, plain: str = "scratch"):
+    """The built-in loop on `records` in float32 (root/plain) and its noise twin (root/twin): their envelope,
+    the tolerance of a float32 pair on those rollouts."""
+    from harness.diagnose.pairs import twin_envelope
+    from harness.rollouts.lockstep import ReplaySource
+    from scratch_grpo.train import train as train_scratch
+
+    for name, twin in ((plain, False), ("twin", True)):
+        train_scratch(spec32, root / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
+    return twin_envelope(root / plain, root / "twin")
+
+
 def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     """Your loop and TRL again in float32 into cell_dir/float32, on the bf16 pair's own rollouts (training only,
     as the explanation's float32 search runs), with a float32 noise twin of the built-in loop for the tolerance.
-    Where the two part, the explanation runs there (what TRL setting makes it your loop). Where your loop's float32
-    run logs exactly what its bf16 run did, it does not read DTYPE and float32 can tell nothing: said so."""
-    import shutil
-
-    from harness.diagnose.attribution import attribute
-    from harness.diagnose.compare import load_any_run, load_tolerances
-    from harness.diagnose.explain import same_log
-    from harness.diagnose.pairs import compare_sides, twin_envelope
+    Where the two part, the explanation runs there (what TRL setting makes it your loop); a finding is one it
+    confirms with a difference named. Where it names none, your loop runs once more in float32: if it parts from
+    itself, it is not deterministic and float32 cannot tell. Where your loop's float32 run logs exactly what its
+    bf16 run did, it does not read DTYPE and float32 can tell nothing. `words` says which; `finding` whether the
+    bf16 parity hides a difference."""
+    from harness.diagnose.compare import compare_frames, load_tolerances
+    from harness.diagnose.explain import EXPLAIN_FILE, explain
+    from harness.diagnose.pairs import compare_sides
     from harness.diagnose.preflight import apply_alignment
-    from harness.diagnose import noise
     from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
     from harness.runlog.params import relative_l2
-    from loop_runner.run import train as train_loop
-    from scratch_grpo.train import train as train_scratch
     from trl_runner.runner import train as train_trl
 
     dtype, steps = cell.spec.DTYPE, cell.spec.STEPS
@@ -209,55 +243,69 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     for name in (ROLLOUTS_FILE, LOOP_ROLLOUTS_FILE):
         shutil.copyfile(Path(cell_dir) / name, folder / name)
     records = ReplaySource.from_file(folder / ROLLOUTS_FILE).records
-    log(f"    {cell.name}: parity in {dtype}; your loop and TRL again in float32 on the same rollouts ({steps} steps), "
-        f"since {dtype}'s rounding can hide a setting over a few steps")
+    log(f"    {cell.name}: parity in {dtype}; your loop and TRL again in float32 on the same rollouts "
+        f"({_steps(steps)}), since {dtype}'s rounding can hide a setting over a few steps")
     out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": None, "attribution_detail": [],
-           "effect": [], "confirmed": [], "loop": True}
-    train_loop(spec32, folder / "yours", rollouts=folder / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
-    mine, before = load_any_run(folder / "yours"), load_any_run(Path(cell_dir) / "yours")
-    if same_log(mine, before, [c for c in ("grad_norm", "loss") if c in mine and c in before]) and steps > 1:
-        out["loop_ignores_dtype"] = True
+           "effect": [], "confirmed": [], "loop": True, "finding": False}
+    mine, same = your_loop_in_float32(spec32, cell_dir, folder)
+    if same is not False:
+        out["loop_ignores_dtype"] = same
         out["words"] = (f"your loop's float32 run logged exactly what its {dtype} run did, step for step: it does not "
                         f"read DTYPE from PARITY_SPEC, so float32 cannot show what {dtype}'s rounding may hide (read "
-                        "DTYPE as examples/my_grpo.py does to have it checked)")
+                        "DTYPE as examples/my_grpo.py does to have it checked)" if same else
+                        "nothing your loop logs tells whether it read DTYPE over one step (the step-1 loss is the same "
+                        "in any dtype): log grad_norm, or run more steps, to have the parity checked in float32")
         return out
     envelope, k = None, noise.k_of(load_tolerances())
-    if spec32.TOLERANCE == "calibrated":  # the float32 noise twin, as a float32 pair's scratch side makes it
-        for name, twin in (("scratch", False), ("twin", True)):
-            train_scratch(spec32, folder / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
-        envelope = twin_envelope(folder / "scratch", folder / "twin")
+    if spec32.TOLERANCE == "calibrated":
+        envelope = float32_twin(spec32, records, folder)
         noise.save(envelope, folder, k, str(folder / "twin"))
     train_trl(spec32, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
     result32 = compare_sides(spec32, folder / "yours", folder / "trl", "lockstep", envelope)
     out["first_divergence"] = fd = result32["first_divergence"]
-    if fd is not None:
-        out["attribution_detail"] = details = attribute(dataclasses.replace(cell, spec=spec32), result32, folder,
-                                                        "lockstep", False, log)
-        out["confirmed"] = [d["cause"] for d in details if d.get("status") == "confirmed"]
+    if fd is None:
+        out["words"] = (f"your loop and TRL agree in float32 too over {_steps(steps)}: no difference below {dtype}'s "
+                        "rounding shows at this length")
+        return out
+    out["attribution_detail"] = details = explain(spec32, folder, result32, log,
+                                                  table=(Path(cell_dir).parent / EXPLAIN_FILE,
+                                                         f"{cell.name}, its float32 pair"))
+    lead = details[0]
+    out["confirmed"] = [lead["cause"]] if lead.get("status") == "confirmed" else []
+    where = f"in float32 your loop parts from TRL at step {fd['step']} on {fd['metric']}"
+    hidden = f"in {dtype} the sides' own rounding hides it over {_steps(steps)}"
+    if lead.get("status") == "confirmed" and lead.get("differences"):
+        out["finding"] = True
         # your loop saves its weights at its last step only: the built-in loop with what the explanation found,
         # which matched your loop at every step, stands in for it on the weights per step
-        matched = next((d.get("matched_by") for d in details if d.get("status") == "confirmed"), None)
-        effect = relative_l2(Path(matched), folder / "trl") if matched else None
+        effect = relative_l2(Path(lead["matched_by"]), folder / "trl") if lead.get("matched_by") else None
+        said = ", ".join(f"{d['field']} = {d['value']}" for d in lead["differences"])
+        text = f"{where} ({lead['cause']}, confirmed); {hidden}"
         if effect:
             out["effect"] = [float(e) for e in effect]
             low = weights_bound(cell_dir, "lockstep", dtype, result.get("k_noise") or k, min(len(effect), steps))
             out["bound"], out["estimate"] = low.tolist(), steps_to_show(out["effect"][:len(low)], low)
-    out["words"] = _loop_words(out)
+            text += (f"; estimated on the weights of the built-in loop with {said}, which matched your loop at every "
+                     f"step (yours saves only its final weights): {estimate_words(out['estimate'], dtype)}")
+        out["words"] = text
+        return out
+    if lead.get("status") == "confirmed":  # the built-in loop as TRL is your loop, TRL is not: not yours to fix
+        out["words"] = (f"{where}, but the built-in loop set up as TRL matches your loop there: the difference is "
+                        "between the built-in loop and TRL in float32, not in your loop's settings")
+        return out
+    again, _same = your_loop_in_float32(spec32, cell_dir, folder, "yours-again")
+    itself = compare_frames(mine, again, mode="lockstep", dtype="float32", tolerances=load_tolerances(),
+                            one_sided="not_compared", envelope=envelope)["first_divergence"]
+    if itself is not None:
+        out["loop_nondeterministic"] = itself
+        out["words"] = (f"{where}, but two float32 runs of your loop on the same rollouts part from each other too "
+                        f"(at step {itself['step']} on {itself['metric']}): it is not deterministic, so float32 cannot "
+                        f"tell a setting from its own noise; the {dtype} parity holds over {_steps(steps)}")
+        return out
+    out["finding"] = True  # a real difference, repeatable, that no setting the search knows explains
+    out["words"] = f"{where} and no setting the search knows explains it ({lead['cause']}, {lead['status']}); {hidden}"
     return out
 
 
-def _loop_words(found: dict) -> str:
-    dtype, fd, steps = found["dtype"], found["first_divergence"], found["steps"]
-    if fd is None:
-        return (f"your loop and TRL agree in float32 too over {steps} steps: no difference below {dtype}'s rounding "
-                "shows at this length")
-    lead = found["attribution_detail"][:1]
-    text = (f"in float32 your loop parts from TRL at step {fd['step']} on {fd['metric']}"
-            + (f" ({lead[0]['cause']}, {lead[0].get('status')})" if lead else "")
-            + f"; in {dtype} the sides' own rounding hides it over {steps} steps")
-    est = found.get("estimate")
-    if est is None:
-        return text + (f"; no estimate of when it would show in {dtype}: your loop saves its weights at its last step "
-                       "only, and the explanation found no full match to stand in for them step by step")
-    return (text + "; with the built-in loop set up as the explanation found standing in for your loop's weights step "
-            "by step (yours are saved at the last step only), " + estimate_words(est, dtype))
+def _steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
