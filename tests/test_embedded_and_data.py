@@ -174,3 +174,10 @@ def test_torch_compile_keeps_what_it_builds_in_the_harness_cache(monkeypatch, tm
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     CompileOnFirstCall(lambda x: x, "another", "plain")(1)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    # torch's own default, which importing transformers or TRL writes into the variable, is not the user's choice
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cache_dir() == os.path.abspath(default_cache_dir()) == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    CompileOnFirstCall(lambda x: x, "after torch's", "plain")(1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")

@@ -29,7 +29,7 @@ for run in $(seq 1 "${LOCK_RUNS:-1}"); do
   t0=$(date +%s)
   timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out "/tmp/lock$run" \
     --verbose 2>&1 | grep -v -i warn | tail -40 | tee "$OUT/lockstep$run.log"
-  echo "lockstep run $run wall: $(( $(date +%s) - t0 )) s (inductor cache: $(du -sh /tmp/gpc/inductor 2>/dev/null | cut -f1))" \
+  echo "lockstep run $run wall: $(( $(date +%s) - t0 )) s (compile caches: harness $(du -sh /tmp/gpc/inductor 2>/dev/null | cut -f1), torch default $(du -sh /tmp/torchinductor_$(whoami) 2>/dev/null | cut -f1))" \
     | tee -a "$OUT/lockstep$run.log"
 done
 cp /tmp/lock1/verdict.json "$OUT/lockstep_verdict.json" 2>/dev/null; cp /tmp/lock1/report.html "$OUT/lockstep_report.html" 2>/dev/null

@@ -280,11 +280,18 @@ def persistent_compile_cache() -> str | None:
     (torch's own default, which already serves later processes until then) loads the compiled decode step and loss
     kernels from disk instead of compiling them again. Set before the first torch.compile; returns the folder, or
     None where torch's default stands."""
+    mine = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if os.environ.get("GRPO_PARITY_COMPILE_CACHE") != "harness":
-        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        return mine
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from harness.experiment.embedded import cache_root
 
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    # importing torch's libraries already sets the variable to torch's default (cache_dir() writes it back): that
+    # one is torch's, not the user's (a GPU run found the switch ignored for this reason)
+    if mine is None or os.path.abspath(mine) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = mine = str(cache_root() / "inductor")
+    return mine
 
 
 class CompileOnFirstCall:
