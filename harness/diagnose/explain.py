@@ -45,7 +45,7 @@ import shutil
 import time
 from pathlib import Path
 
-from harness.diagnose import noise, precision
+from harness.diagnose import float32, noise
 from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.tensordiff import CLIP_NORMS, words as tensor_words
@@ -775,19 +775,19 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     if spec.DTYPE == "float32" or state.agree >= search.steps or not search.below_rounding:
         return None
     root = search.root / "float32"
-    spec32 = apply_alignment(spec, {"set": precision.FLOAT32})
+    spec32 = apply_alignment(spec, {"set": float32.FLOAT32})
     log(f"    explain: in {spec.DTYPE} the rest is below rounding from step {search.below_rounding['at_step']}: your "
         "loop and the search again in float32 on the same rollouts")
     t0 = time.perf_counter()
     try:
-        yours, same = precision.your_loop_in_float32(spec32, cell_dir, root)
+        yours, same = float32.your_loop_in_float32(spec32, cell_dir, root)
     except LoopError as e:
         log(f"    explain: your loop in float32 failed ({str(e)[:200]}); the {spec.DTYPE} answer stands")
         return None
     base = scratch_as_trl(spec32)
     envelope = None
     if spec32.TOLERANCE == "calibrated":  # the float32 noise twin of what bf16 found
-        envelope = precision.float32_twin(apply_alignment(base, {"set": state.changes}), records, root, "plain")
+        envelope = float32.float32_twin(apply_alignment(base, {"set": state.changes}), records, root, "plain")
     search.warm = None  # the bf16 model: freed before the float32 one loads
     again = Search(base, yours, records, root / "search", envelope, search.log)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from harness.diagnose import noise
+from harness.diagnose.float32 import FLOAT32, float32_twin, your_loop_in_float32
 
 MIN_STEPS = 3  # Adam's betas change nothing before the second update (step 3)
-FLOAT32 = {"DTYPE": "float32", "MASTER_WEIGHTS": "float32"}
 HORIZON = 10 ** 6  # past this many steps an estimate is "not within reach"
 FOLDER = "float32"
 
@@ -182,41 +182,6 @@ def wants_float32_loop(cell, mode: str, result: dict) -> bool:
     return (cell.spec.FLOAT32_CHECK != "off" and mode == "lockstep" and cell.spec.DTYPE != "float32"
             and tuple(cell.sides) == ("yours", "trl") and cell.spec.PROCESSES == 1
             and result.get("first_divergence") is None)
-
-
-def your_loop_in_float32(spec32, cell_dir: Path, root: Path, name: str = "yours"):
-    """Your loop in float32 into root/name, on the cell's own loop rollouts: (its metric log, whether it logged
-    exactly what its run in cell_dir/yours did, so that it does not read DTYPE). The second is None when nothing
-    both log can tell: the step-1 loss is the same in any dtype (the ratio is 1 and the KL 0 there, so it is the
-    advantages' mean), so one step needs grad_norm. LoopError when your loop fails."""
-    from harness.diagnose.compare import load_any_run
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
-    from loop_runner.run import train as train_loop
-
-    train_loop(spec32, root / name, rollouts=Path(cell_dir) / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
-    mine, before = load_any_run(root / name), load_any_run(Path(cell_dir) / "yours")
-    steps = mine.index.intersection(before.index)
-    cols = [c for c in ("grad_norm", "loss") if c in mine and c in before and (c != "loss" or len(steps) > 1)]
-    return mine, (same_log(mine, before, cols) if cols else None)
-
-
-def same_log(a, b, columns: list[str]) -> bool:
-    """Two runs logged exactly the same values of `columns` at every step both logged."""
-    steps = a.index.intersection(b.index)
-    return bool(len(steps) and columns) and all(
-        a.loc[steps, c].astype(float).equals(b.loc[steps, c].astype(float)) for c in columns)
-
-
-def float32_twin(spec32, records, root: Path, plain: str = "scratch"):
-    """The built-in loop on `records` in float32 (root/plain) and its noise twin (root/twin): their envelope,
-    the tolerance of a float32 pair on those rollouts."""
-    from harness.diagnose.pairs import twin_envelope
-    from harness.rollouts.lockstep import ReplaySource
-    from scratch_grpo.train import train as train_scratch
-
-    for name, twin in ((plain, False), ("twin", True)):
-        train_scratch(spec32, root / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
-    return twin_envelope(root / plain, root / "twin")
 
 
 def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
