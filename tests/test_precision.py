@@ -184,3 +184,14 @@ def test_a_nondeterministic_loop_is_not_said_to_hide_a_difference(tmp_path):
     assert cell["verdict"] == "parity" and found["first_divergence"] is not None, found
     assert found["loop_nondeterministic"] and not found["finding"] and "cannot_show" not in cell
     assert "it is not deterministic" in " ".join(M.format_verdict(doc).split())
+
+
+@pytest.mark.slow
+def test_your_loop_failing_in_float32_leaves_the_bf16_parity_standing_and_says_so(tmp_path):
+    prelude = "if json.load(open(os.environ['PARITY_SPEC']))['DTYPE'] == 'float32':\n    sys.exit('no float32 here')\n"
+    spec = _your_loop(tmp_path, "", "STEPS=2", prelude=prelude)
+    doc = M.run_matrix(spec, tmp_path / "run", "none", log=lambda *_: None)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "parity" and cell["ok"] and "LoopError" in cell["precision"]["error"], cell
+    said = " ".join(M.format_verdict(doc).split())
+    assert "the float32 check of your loop failed" in said.lower() and "parity stands unchecked" in said

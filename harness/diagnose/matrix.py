@@ -174,31 +174,21 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
             why = exact_reason(cell.expected_cause, cell_dir, details)
             if why is None and precision.wants_float32(cell, mode):  # or only bf16's rounding hid it
-                try:
-                    v["precision"] = precision.escalate(cell, result, cell_dir, mode, progress, log, store, backend)
-                    why = v["precision"]["words"]
-                except WorkerDied:  # not a result: the cell fails and --resume runs it again
-                    raise
-                except Exception as e:  # the bf16 cell stands; the float32 pair's failure is said
-                    v["precision"] = {"error": f"{type(e).__name__}: {e}"}
-                    log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
+                found = _in_float32(cell, v, log, lambda: precision.escalate(cell, result, cell_dir, mode, progress,
+                                                                               log, store, backend))
+                why = found["words"] if found else None
             if why is None:
                 why = small_effect_reason(result, cell_dir, cell.spec, details, v["updates"])
             if why:
                 v["cannot_show"] = why
         elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it
-            try:
-                v["precision"] = found = precision.escalate_loop(cell, result, cell_dir, log)
-                if found["finding"]:
-                    v["cannot_show"] = found["words"]  # the table: "shows in float32 only (see below)"
-            except WorkerDied:
-                raise
-            except Exception as e:  # the bf16 parity stands; the float32 pair's failure is said
-                v["precision"] = {"error": f"{type(e).__name__}: {e}", "loop": True, "words": (
-                    f"the float32 check of your loop failed ({type(e).__name__}: {str(e)[:300]}); the "
-                    f"{cell.spec.DTYPE} parity stands unchecked")}
-                log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
-            if not v.get("cannot_show"):
+            found = _in_float32(cell, v, log, lambda: precision.escalate_loop(cell, result, cell_dir, log))
+            if found is None:
+                v["precision"].update(loop=True, words=f"the float32 check of your loop failed "
+                                      f"({v['precision']['error'][:300]}); the {cell.spec.DTYPE} parity stands unchecked")
+            if found and found["finding"]:
+                v["cannot_show"] = found["words"]  # the table: "shows in float32 only (see below)"
+            else:
                 v["notes"].append(v["precision"]["words"])
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
         v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
@@ -212,6 +202,21 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         v["ok"] = True
     v["wall_s"] = round(time.perf_counter() - t0, 1)
     return v
+
+
+def _in_float32(cell: Cell, v: dict, log, escalate) -> dict | None:
+    """`escalate()`, a float32 pair, into v["precision"]: its entry; None when it failed (the bf16 cell stands, the
+    failure in v["precision"]["error"] and the log). A dead worker is no result: raised, so that the cell fails and
+    --resume runs it again."""
+    try:
+        v["precision"] = escalate()
+        return v["precision"]
+    except WorkerDied:
+        raise
+    except Exception as e:
+        v["precision"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"    {cell.name}: the float32 pair failed ({type(e).__name__}: {e})")
+        return None
 
 
 def run_matrix(base, out_dir: str | Path, matrix: str = "default", mode: str = "lockstep", progress: bool = False,
