@@ -229,8 +229,8 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     result32 = compare_sides(spec32, folder / "yours", folder / "trl", "lockstep", envelope)
     out["first_divergence"] = fd = result32["first_divergence"]
     if fd is None:
-        out["words"] = (f"your loop and TRL agree in float32 too over {_steps(steps)}: no difference below {dtype}'s "
-                        "rounding shows at this length")
+        out["words"] = (f"your loop and TRL agree in float32 too over {_steps(steps)}: no difference that {dtype}'s "
+                        "rounding hides shows at this length (one smaller still may part them over more steps)")
         return out
     out["attribution_detail"] = details = explain(spec32, folder, result32, log,
                                                   table=(Path(cell_dir).parent / EXPLAIN_FILE,
