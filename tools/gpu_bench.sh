@@ -27,8 +27,11 @@ export GRPO_PARITY_COMPILE_CACHE=harness
 for run in $(seq 1 "${LOCK_RUNS:-1}"); do
   has lockstep || break
   t0=$(date +%s)
+  # each line stamped with the seconds since the command started: where the wall goes before and after the cell
   timeout 260 python3 -m harness parity --spec harness/specs/bench.toml --matrix none --steps "$STEPS_LOCK" --out "/tmp/lock$run" \
-    --verbose 2>&1 | grep -v -i warn | tail -40 | tee "$OUT/lockstep$run.log"
+    --verbose 2>&1 | grep --line-buffered -v -i warn | python3 -u -c "import sys, time; t = $t0; [print(f'{time.time() - t:7.1f} {l}', end='') for l in sys.stdin]" \
+    > "$OUT/lockstep$run.log"
+  grep -E "^ *[0-9.]+ (spec |\[cell|    as-given|parity |wrote|report)" "$OUT/lockstep$run.log"
   echo "lockstep run $run wall: $(( $(date +%s) - t0 )) s (compile caches: harness $(du -sh /tmp/gpc/inductor 2>/dev/null | cut -f1), torch default $(du -sh /tmp/torchinductor_$(whoami) 2>/dev/null | cut -f1))" \
     | tee -a "$OUT/lockstep$run.log"
 done
