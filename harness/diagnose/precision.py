@@ -134,6 +134,13 @@ def weights_bound(cell_dir: Path, mode: str, dtype: str, k: float, steps: int) -
     return np.broadcast_to(np.asarray(noise.bound(limit, at, k), dtype=float), (steps,)).copy()
 
 
+def against_bound(effect: list[float], cell_dir: Path, mode: str, dtype: str, k: float, steps: int) -> dict:
+    """A float32 effect on the weights held against the bound of the `dtype` pair in `cell_dir` over the steps both
+    cover: {"bound": per step, "estimate": steps_to_show}."""
+    low = weights_bound(cell_dir, mode, dtype, k, min(len(effect), steps))
+    return {"bound": low.tolist(), "estimate": steps_to_show(effect[:len(low)], low)}
+
+
 def escalate(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None) -> dict:
     """The cell's pair again in float32 into cell_dir/float32, attributed there; what it found, in words too."""
     from harness.diagnose.attribution import attribute, own_pair
@@ -156,9 +163,7 @@ def escalate(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log,
     if not effect:
         out["words"] = _words(out, None, None)
         return out
-    low = weights_bound(cell_dir, mode, dtype, k, min(len(effect), cell.spec.STEPS))
-    out["bound"] = low.tolist()
-    out["estimate"] = steps_to_show(effect[:len(low)], low)
+    out.update(against_bound(out["effect"], cell_dir, mode, dtype, k, cell.spec.STEPS))
     high = None
     if result32["first_divergence"] is None:  # how far float32 itself is from showing it
         high = steps_to_show(effect, weights_bound(folder, mode, "float32", result32.get("k_noise") or k, len(effect)))
@@ -268,8 +273,7 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
         text = f"{where} ({lead['cause']}, confirmed); {hidden}"
         if effect:
             out["effect"] = [float(e) for e in effect]
-            low = weights_bound(cell_dir, "lockstep", dtype, result.get("k_noise") or k, min(len(effect), steps))
-            out["bound"], out["estimate"] = low.tolist(), steps_to_show(out["effect"][:len(low)], low)
+            out.update(against_bound(out["effect"], cell_dir, "lockstep", dtype, result.get("k_noise") or k, steps))
             text += (f"; estimated on the weights of the built-in loop with {said}, which matched your loop at every "
                      f"step (yours saves only its final weights): {estimate_words(out['estimate'], dtype)}")
         out["words"] = text
