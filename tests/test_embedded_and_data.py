@@ -157,17 +157,17 @@ def test_a_small_model_on_a_cpu_trains_on_one_thread(monkeypatch):
 
 
 def test_torch_compile_keeps_what_it_builds_in_the_harness_cache(monkeypatch, tmp_path):
-    """With GRPO_PARITY_COMPILE_CACHE=harness the first torch.compile of a run points inductor's on-disk cache at
-    GRPO_PARITY_CACHE/inductor, which a reboot does not empty (torch's default is under /tmp), unless the user chose
-    TORCHINDUCTOR_CACHE_DIR; without it torch's default stands."""
+    """By default the first torch.compile of a run points inductor's on-disk cache at GRPO_PARITY_CACHE/inductor,
+    which a reboot does not empty (torch's default is under /tmp), unless the user chose TORCHINDUCTOR_CACHE_DIR;
+    GRPO_PARITY_COMPILE_CACHE=torch leaves torch's default."""
     from harness.experiment.models import CompileOnFirstCall
 
     monkeypatch.setenv("GRPO_PARITY_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # what matters is where the cache goes, not inductor
-    monkeypatch.delenv("GRPO_PARITY_COMPILE_CACHE", raising=False)  # the default: torch's own folder, untouched
+    monkeypatch.setenv("GRPO_PARITY_COMPILE_CACHE", "torch")  # opted out: torch's own folder, untouched
     assert CompileOnFirstCall(lambda x: x, "f", "plain")(1) == 1 and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
-    monkeypatch.setenv("GRPO_PARITY_COMPILE_CACHE", "harness")  # the switch (off until a GPU run checks it)
+    monkeypatch.delenv("GRPO_PARITY_COMPILE_CACHE")  # the default (checked on an H100: a second run loads from it)
     double = CompileOnFirstCall(lambda x: 2 * x, "a test function", "the plain function serves")
     assert double(3) == 6 and double.state == "ok"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
