@@ -388,5 +388,18 @@ def nudge_ulp(model: torch.nn.Module, weights_dtype: str, seed: int) -> None:
     dtype = torch.bfloat16 if weights_dtype == "bfloat16" else torch.float32
     for i, (_, p) in enumerate(sorted(model.named_parameters())):
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        up = (torch.rand(p.shape, generator=g) < 0.5).to(p.device)
+        up = coin_flips(p.numel(), g, p.device).view(p.shape)
         p.copy_(ulp_step(p, up, dtype))
+
+
+WORD_BITS = 31  # fair bits per draw of torch.randint(0, 2**31)
+
+
+def coin_flips(n: int, generator: torch.Generator, device) -> torch.Tensor:
+    """`n` fair coin flips (bool) on `device`, drawn on the CPU from `generator` (the same flips on any device),
+    31 to a random word: bit b of word w is flip w * 31 + b. One CPU draw per flip (torch.rand) took ~2 s for a
+    0.6B-parameter model's noise twin on the GPU machine; this draws 31x fewer numbers and unpacks them where the
+    weights are."""
+    words = torch.randint(0, 2**WORD_BITS, (-(-n // WORD_BITS),), generator=generator, dtype=torch.int32)
+    shifts = torch.arange(WORD_BITS, dtype=torch.int32, device=device)
+    return ((words.to(device)[:, None] >> shifts) & 1).flatten()[:n].bool()

@@ -14,7 +14,7 @@ import torch
 from harness.diagnose import noise
 from harness.diagnose.compare import compare_frames, load_tolerances
 from harness.diagnose.showable import equal_lengths, is_ratio_exactly_one, why_no_effect
-from scratch_grpo.core import nudge_ulp, ulp_step
+from scratch_grpo.core import coin_flips, nudge_ulp, ulp_step
 
 
 def test_ulp_step_known_answers():
@@ -26,6 +26,16 @@ def test_ulp_step_known_answers():
     got = ulp_step(x, up, torch.bfloat16)
     assert got.dtype == torch.float32
     assert got[:4].tolist() == [1 + 2**-7, 1 - 2**-8, -2 + 2**-7, 0.5 - 2**-9]
+
+
+def test_coin_flips_are_the_bits_of_the_drawn_words_in_order():
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 2**31, (3,), generator=g, dtype=torch.int32).tolist()
+    want = [bool((w >> b) & 1) for w in words for b in range(31)][:70]  # by hand: word by word, low bit first
+    flips = coin_flips(70, torch.Generator().manual_seed(5), "cpu")
+    assert flips.dtype == torch.bool and flips.tolist() == want
+    many = coin_flips(100_003, torch.Generator().manual_seed(1), "cpu")
+    assert many.numel() == 100_003 and 0.49 < many.float().mean().item() < 0.51
 
 
 def test_nudge_ulp_moves_every_weight_by_one_step_both_ways_seeded():
