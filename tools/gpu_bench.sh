@@ -26,9 +26,8 @@ has tests && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cor
 has decode && timeout "${DECODE_LIMIT:-300}" python3 tools/decode_bench.py --long 512 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/decode.log"
 has profile && timeout 200 python3 tools/train_profile.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "futurewarn\|warnings.warn" | tee "$OUT/train_profile.log"
 # LOCK_RUNS=2: the same lockstep pair again in a new process, its compiled kernels read back from the on-disk
-# cache the first run filled (GRPO_PARITY_CACHE/inductor, the switch below): the second run's wall is what a user sees
+# cache the first run filled (GRPO_PARITY_CACHE/inductor, the harness default): the second run's wall is what a user sees
 # from then on
-# the harness keeps compiled kernels under GRPO_PARITY_CACHE/inductor (the default since the GPU check of 2026-12-06)
 for run in $(seq 1 "${LOCK_RUNS:-1}"); do
   has lockstep || break
   t0=$(date +%s)
