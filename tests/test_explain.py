@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
-from harness.diagnose.explain import Trial, settings_from_log, trl_fields
+from harness.diagnose.explain import Trial, scratch_as_trl, settings_from_log, trl_fields, trl_moves
 from harness.diagnose.matrix import format_verdict, run_matrix
 from harness.experiment.spec import load_spec
 
@@ -112,6 +112,38 @@ def test_trl_fields_name_what_trl_can_be_set_to_and_nothing_for_a_quirk():
     assert trl_fields(spec, {"BETA": 0.01, "KL_IS_CORRECTION": False}) == {"beta": 0.01, "use_bias_correction_kl": False}
     assert trl_fields(spec, {"LOSS_NORM": "token_global"}) == {"loss_type": "dapo"}
     assert trl_fields(spec, {"STD_EPS": 1e-8}) == {} and trl_fields(spec, {"COMPLETION_MASK": "no_eos"}) == {}
+
+
+TRL_TABLE = ("trl.learning_rate=1e-3", "trl.beta=0.01", "trl.reward_weights=[1.0, 1.0]")
+
+
+def test_the_search_starts_from_trl_as_its_trl_table_sets_it_up():
+    """`[trl]` overrides the built-in loop has a field for move into that field (TRL's configuration unchanged), and
+    a change of one is the GRPOConfig field it sets, whether or not `[trl]` sets it: relative to the table, and
+    nothing where the table already has the value (it was a quirk: `[trl] learning_rate` made LR move nothing)."""
+    spec = load_spec(DEFAULT_SPEC, list(TRL_TABLE))
+    base = scratch_as_trl(spec)
+    assert (base.LR, base.BETA, list(base.rewards.weights), dict(base.trl)) == (1e-3, 0.01, [1.0, 1.0], {})
+    assert trl_fields(spec, {"LR": 2e-3}) == {"learning_rate": 2e-3} == trl_fields(base, {"LR": 2e-3})
+    assert trl_fields(spec, {"LR": 1e-3}) == {} and trl_moves(spec, {"LR": 1e-3}) == {"learning_rate": 1e-3}
+    warm = load_spec(DEFAULT_SPEC, ['trl.lr_scheduler_type="constant_with_warmup"', "trl.warmup_steps=2"])
+    assert (scratch_as_trl(warm).LR_SCHEDULE, scratch_as_trl(warm).WARMUP_STEPS, dict(scratch_as_trl(warm).trl)) == \
+        ("constant", 2, {})  # the schedule moves once the warmup has
+
+
+def test_a_loop_with_the_trl_tables_values_is_explained_relative_to_the_table(tmp_path):
+    """A loop with the spec's `[trl]` learning rate, KL weight and reward weights, and Adam's beta2 0.999: the table
+    written holds adam_beta2 alone, TRL run with it confirms, and nothing the table sets is named (the search
+    started from the spec's own fields said LR, BETA and the weights were quirks TRL had no setting for)."""
+    doc, found = explained(tmp_path, "--lr 1e-3 --beta 0.01 --reward-weights 1,1 --adam-beta2 0.999", *TRL_TABLE,
+                           "STEPS=6")
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["fix"]["trl"] == {"adam_beta2": 0.999} and found["fix"]["scratch"] == {}, found["fix"]
+    assert found["confirmed_by"]["trl"] is True
+    assert [d["field"] for d in found["differences"]] == ["ADAM_BETA2"], found["differences"]
+    assert "no setting" not in found["evidence"], found["evidence"]
+    table = (tmp_path / "your_loop_in_trl.toml").read_text()
+    assert table.split("[trl]\n", 1)[1] == "adam_beta2 = 0.999\n", table
 
 
 def test_a_candidate_is_judged_by_agreement_first():

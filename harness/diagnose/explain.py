@@ -50,6 +50,7 @@ from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_w
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.tensordiff import CLIP_NORMS, words as tensor_words
 from harness.runlog.atomic import atomic_write_text
+from trl_runner.translate import NORM_OF_LOSS_TYPE
 
 MAX_FIELDS = 10
 LOOKAHEAD = 2  # steps a candidate runs past the first step it must fix
@@ -127,17 +128,30 @@ def options(spec, logged: set[str]) -> list[Option]:
 
 
 def trl_fields(base, changes: dict) -> dict:
-    """The GRPOConfig fields (and values) that `changes` of the spec become: what TRL can be set to. A change that
-    moves no GRPOConfig field is a quirk TRL cannot express."""
+    """The GRPOConfig fields (and values) that `changes` of the spec become, relative to TRL as the spec configures
+    it (its `[trl]` table included): what to add to that table or change in it. A field the change moves is TRL's
+    whether or not `[trl]` sets it (the new value then overrides the table's); one it moves to the value TRL is
+    configured with already is left out. A change that moves no GRPOConfig field is a quirk (`trl_moves`)."""
     from trl_runner.translate import translate
 
-    before = translate(base).kwargs
-    after = translate(apply_alignment(base, {"set": changes})).kwargs
-    out = {}
-    for k, v in after.items():
-        if k not in before or not _same(before[k], v):
-            out[k] = getattr(v, "value", v)
-    return out
+    configured = translate(base).kwargs
+    return {k: v for k, v in trl_moves(base, changes).items() if k not in configured or not _same(configured[k], v)}
+
+
+def trl_moves(base, changes: dict) -> dict:
+    """The GRPOConfig fields `changes` move in the spec's own translation, `[trl]` left out (an override would hide
+    the move: `[trl] learning_rate` makes LR move nothing), with their new values: empty for a quirk TRL cannot
+    express."""
+    from harness.experiment.spec import SpecError
+    from trl_runner.translate import translate
+
+    bare = apply_alignment(base, {"drop_trl": list(base.trl)}) if base.trl else base
+    try:
+        before = translate(bare).kwargs
+    except SpecError:  # the table makes the translation valid (a batch it fixes): judged with it, as before
+        bare, before = base, translate(base).kwargs
+    after = translate(apply_alignment(bare, {"set": changes})).kwargs
+    return {k: getattr(v, "value", v) for k, v in after.items() if k not in before or not _same(before[k], v)}
 
 
 def _same(a, b) -> bool:
@@ -416,7 +430,7 @@ class Search:
         for k, v in changes.items():
             key = (k, json.dumps(v))
             if key not in self._trl:
-                self._trl[key] = bool(trl_fields(self.base, {k: v}))
+                self._trl[key] = bool(trl_moves(self.base, {k: v}))
             if not self._trl[key]:
                 return False
         return True
@@ -693,7 +707,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     changes = state.changes
     base = search.base
     trl = trl_fields(base, changes) if changes else {}
-    quirks = {k: v for k, v in changes.items() if not trl_fields(base, {k: v})}
+    quirks = {k: v for k, v in changes.items() if not trl_moves(base, {k: v})}
     differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
                     "read_from_log": k in read, "from_tensors": k in from_tensors} for k, v in changes.items()]
     if "MAX_GRAD_NORM" in changes and state.agree >= search.steps:  # which other thresholds do as well?
@@ -918,16 +932,55 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
     return found
 
 
+# the `[trl]` overrides the built-in loop can take on: GRPOConfig field -> (the spec field it translates from, that
+# field's value for a TRL value). scratch_as_trl keeps a move only where TRL's configuration comes out the same
+SCRATCH_OF_TRL = {
+    "learning_rate": ("LR", float), "beta": ("BETA", float), "use_bias_correction_kl": ("KL_IS_CORRECTION", bool),
+    "epsilon": ("CLIP_LOW", float), "epsilon_high": ("CLIP_HIGH", float), "delta": ("DELTA", lambda v: v or 0.0),
+    "loss_type": ("LOSS_NORM", NORM_OF_LOSS_TYPE.__getitem__),
+    "scale_rewards": ("ADV_SCALE", str), "num_iterations": ("NUM_ITERATIONS", int),
+    "mask_truncated_completions": ("MASK_TRUNCATED", bool), "max_completion_length": ("MAX_TOKENS", int),
+    "temperature": ("TEMPERATURE", float), "top_p": ("TOP_P", float), "top_k": ("TOP_K", int),
+    "lr_scheduler_type": ("LR_SCHEDULE", lambda v: {"linear": "linear", "constant": "constant",
+                                                    "constant_with_warmup": "constant"}[getattr(v, "value", v)]),
+    "warmup_steps": ("WARMUP_STEPS", int), "adam_beta1": ("ADAM_BETA1", float), "adam_beta2": ("ADAM_BETA2", float),
+    "adam_epsilon": ("ADAM_EPS", float), "weight_decay": ("WEIGHT_DECAY", float),
+    "max_grad_norm": ("MAX_GRAD_NORM", float), "reward_weights": ("rewards.weights", lambda v: [float(w) for w in v]),
+}
+
+
 def scratch_as_trl(spec):
-    """The spec with the built-in loop set up as TRL is (every difference the preflight lists aligned on the scratch
-    side): the search's starting point, so that what it finds is a difference from TRL."""
+    """The spec with the built-in loop set up as TRL is, as the spec configures it: every difference the preflight
+    lists aligned on the scratch side (its alignment of a `[trl]` override drops the override, TRL's side: no use
+    here), and every `[trl]` override the built-in loop has a field for moved into that field (SCRATCH_OF_TRL: `[trl]
+    beta = 0.01` becomes BETA = 0.01 and leaves the table), kept only where TRL's translated configuration comes out
+    the same. The search's starting point, so that what it finds is a difference from TRL as configured (a loop with
+    the table's KL weight has no KL to find), and a change of a moved field is the GRPOConfig field it sets."""
     from harness.diagnose.preflight import preflight
+    from trl_runner.translate import translate
 
     _tr, diffs, _facts = preflight(spec)
     sets = {}
     for d in diffs:
         sets.update(d.align.get("set", {}))
-    return apply_alignment(spec, {"set": sets}) if sets else spec
+    aligned = apply_alignment(spec, {"set": sets}) if sets else spec
+    target = translate(aligned).kwargs
+    moved: dict = {}  # [trl] key -> (spec field, value)
+    for _ in range(2):  # a move may need another first (warmup_steps before lr_scheduler_type "constant_with_warmup")
+        for key, value in aligned.trl.items():
+            if key in moved or key not in SCRATCH_OF_TRL:
+                continue
+            field, as_spec = SCRATCH_OF_TRL[key]
+            try:
+                trial = {**moved, key: (field, as_spec(value))}
+                kw = translate(apply_alignment(aligned, {"set": dict(trial.values()), "drop_trl": list(trial)})).kwargs
+            except Exception:  # noqa: BLE001 - a value the spec field refuses (None, a loss_type it lacks) stays in [trl]
+                continue
+            if kw.keys() == target.keys() and all(_same(kw[k], target[k]) for k in kw):
+                moved = trial
+    if not moved:
+        return aligned
+    return apply_alignment(aligned, {"set": dict(moved.values()), "drop_trl": list(moved)})
 
 
 def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope,
@@ -995,7 +1048,8 @@ def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, stat
     what = ("does what your loop does" if not quirks else "does what your loop does but for the quirks below, which "
             "TRL cannot set") if status == "confirmed" else ("comes closest to your loop (suspected, not confirmed: "
                                                              "see the verdict)")
-    lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields on top of the spec's own translation {what}",
+    lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields added to the spec's own [trl] table (a field it "
+             f"sets already takes the value here) {what}",
              f"# on the same rollouts (cell {cell}, {runs} runs of the search).",
              "[trl]"] + [f"{k} = {toml_value(v)}" for k, v in trl.items()]
     if quirks:
