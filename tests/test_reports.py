@@ -43,6 +43,32 @@ def test_report_is_self_contained_and_escaped(parity_dir):
     assert "metrics identical on every step" in html  # lockstep: rewards and lengths collapse into one line
 
 
+def test_the_headline_names_the_first_training_metric_that_parts_not_a_statistic():
+    """Against your loop compare's first divergence may be a statistic (kl from step 2) that the verdict calls
+    defined differently while training parts at step 4: the headline names grad_norm there (it said 'first on kl'),
+    the loss before grad_norm at one step, and where only statistics part says so. The built-in sides' first
+    divergence (prompts_in_step) is named as it is."""
+    from harness.diagnose.matrix import headline
+
+    def sentence(sides, first, **parted):
+        cell = {"verdict": "diverged", "sides": sides, "first_divergence": first, "attribution_detail": [],
+                "metrics": {m: {"first_outside": s} for m, s in parted.items()}}
+        return headline({"mode": "lockstep", "cells": [cell]})["sentence"]
+
+    kl = {"step": 2, "metric": "kl"}
+    assert sentence(["yours", "trl"], kl, kl=2, loss=None, grad_norm=4, param_rel_l2=6) == \
+        "The two loops part at step 4, first on grad_norm."
+    assert sentence(["yours", "trl"], kl, kl=2, reward_std=1, grad_norm=3, loss=3).startswith(
+        "The two loops part at step 3, first on loss.")
+    assert sentence(["yours", "trl"], kl, kl=2, loss=None, param_rel_l2=8).startswith(
+        "The two loops part at step 8, first on param_rel_l2 (the final weights).")
+    assert sentence(["yours", "trl"], kl, kl=2, loss=None, learning_rate=None).startswith(
+        "Only statistics part, first kl at step 2: what training computes (loss, learning_rate) agrees")
+    batch = {"step": 1, "metric": "prompts_in_step"}
+    assert sentence(["scratch", "trl"], batch, prompts_in_step=1, loss=1).startswith(
+        "The two loops part at step 1, first on prompts_in_step.")
+
+
 def test_only_metrics_that_differ_get_a_curve():
     import pandas as pd
 

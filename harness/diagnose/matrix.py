@@ -542,6 +542,30 @@ def _your_loop_found(c: dict) -> tuple[str, list[str]]:
     return said, items
 
 
+def _parting(c: dict) -> str:
+    """Where a diverged cell's runs part, said first: 'The two loops part at step N, first on M.' Against your loop M
+    is the first metric training computes to leave tolerance (loss, grad_norm, learning_rate, the final weights:
+    not is_derived), not compare's first_divergence, which may be a statistic (kl, reward_std) that the same verdict
+    calls defined differently in your loop while training parts steps later; where only statistics part, said so.
+    The built-in sides define their statistics alike: their first divergence is named as it is (prompts_in_step)."""
+    from harness.diagnose.compare import PRIORITY, is_derived
+
+    fd = c["first_divergence"]
+    if "yours" not in c.get("sides", ()):
+        return f"The two loops part at step {fd['step']}, first on {fd['metric']}."
+    rank = {m: i for i, m in enumerate(PRIORITY)}
+    metrics = c.get("metrics") or {}
+    trains = {m: v.get("first_outside") for m, v in metrics.items() if not is_derived(m)}
+    parted = sorted((step, rank.get(m, len(rank)), m) for m, step in trains.items() if step is not None)
+    if parted:
+        step, _rank, m = parted[0]
+        return f"The two loops part at step {step}, first on {m}" + (" (the final weights)." if m == "param_rel_l2"
+                                                                     else ".")
+    said = ", ".join(sorted(trains, key=lambda m: (rank.get(m, len(rank)), m))) or "none logged by both"
+    return (f"Only statistics part, first {fd['metric']} at step {fd['step']}: what training computes ({said}) agrees "
+            "at every compared step.")
+
+
 def headline(doc: dict) -> dict:
     """The report's first words: one plain sentence, and what to change, one line per cause."""
     cells = doc.get("cells", [])
@@ -573,7 +597,7 @@ def headline(doc: dict) -> dict:
 
                 items.append("Only statistics part: " + defined_differently_words(c["defined_differently"], c) + ".")
             return {"sentence": f"The two loops agree {within}.", "items": items}
-        sentence = f"The two loops part at step {fd['step']}, first on {fd['metric']}."
+        sentence = _parting(c)
         detail = c.get("attribution_detail") or []
         confirmed = [d for d in detail if d.get("status") == "confirmed"]
         reruns = max((d.get("reruns", 0) + d.get("reused", 0) for d in detail), default=0)
