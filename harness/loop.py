@@ -125,6 +125,69 @@ def tensors(step: int, **named) -> None:
     write_row(path, step, named)
 
 
+class Probe:
+    """A small fixed slice of your model's parameters, read around each optimizer step, from which the harness
+    identifies your optimizer (learning rate per step, Adam's betas and epsilon, weight decay, gradient clipping) in
+    closed form. Three marked lines:
+
+        probe = parity.Probe(model)            # once, after building the model
+        ...
+        loss.backward()                        # (every micro-batch)
+        probe.before(step)                     # the gradient BEFORE clip_grad_norm_, and the weights
+        torch.nn.utils.clip_grad_norm_(...)
+        optimizer.step()
+        probe.after(step)                      # the weights after the step
+
+    and log the pre-clip `grad_norm` each step (log_step). It reads `per_param` evenly spaced elements of up to
+    `max_params` parameters spread over `model.named_parameters()` (a few thousand numbers a step), for the first
+    `steps` optimizer steps, into PARITY_TENSORS; outside the harness it does nothing. Duck-typed: any framework
+    whose parameters index like torch tensors (`p.detach().reshape(-1)[idx]`, `.tolist()`)."""
+
+    def __init__(self, model, per_param: int = 32, max_params: int = 16, steps: int = 4):
+        named = [(n, p) for n, p in model.named_parameters() if getattr(p, "requires_grad", True)]
+        if len(named) > max_params:
+            named = [named[round(i * (len(named) - 1) / (max_params - 1))] for i in range(max_params)]
+        self.picks = []
+        for name, p in named:
+            n = int(p.numel())
+            k = min(per_param, n)
+            self.picks.append((name, p, sorted({i * n // k for i in range(k)})))
+        self.steps, self._pending = steps, None
+
+    def read(self, grads: bool = False) -> dict:
+        """{"names", "before": the picked weights, "grad": their gradients (with grads=True; 0 where none)}."""
+        out = {"names": [n for n, _, _ in self.picks], "before": [_values(p, idx) for _, p, idx in self.picks]}
+        if grads:
+            out["grad"] = [_values(p.grad, idx) if getattr(p, "grad", None) is not None else [0.0] * len(idx)
+                           for _, p, idx in self.picks]
+        return out
+
+    def _on(self, step: int) -> bool:
+        return bool(os.environ.get("PARITY_TENSORS")) and 1 <= int(step) <= self.steps
+
+    def before(self, step: int) -> None:
+        """After the backward passes, before clipping and optimizer.step()."""
+        self._pending = self.read(grads=True) if self._on(step) else None
+
+    def after(self, step: int) -> None:
+        """After optimizer.step(): writes the step's slice."""
+        if self._pending is None or not self._on(step):
+            return
+        from harness.runlog.tensors import write_row
+
+        write_row(os.environ["PARITY_TENSORS"], step, {"probe": {**self._pending, "after": self.read()["before"]}})
+        self._pending = None
+
+
+def _values(p, idx: list[int]) -> list[float]:
+    flat = p.detach().reshape(-1)[idx]
+    if hasattr(flat, "float"):
+        flat = flat.float()
+    if hasattr(flat, "cpu"):
+        flat = flat.cpu()
+    return [float(x) for x in flat.tolist()]
+
+
 def weights_out() -> str | None:
     return os.environ.get("PARITY_WEIGHTS_OUT") or None
 

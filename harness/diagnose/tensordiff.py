@@ -179,14 +179,15 @@ def chain_facts(spec, records: list[dict], scores_by_round: list[dict] | None = 
     steps = range(1, len(records) * per_round + 1)
     lengths = {s: [len(c) for c in records[(s - 1) // per_round]["completion_ids"]] for s in steps}
     ckpt = checkpoint_dir(spec)
-    eos = eos_token_ids(generation_config(ckpt), load_tokenizer(ckpt))
+    tokenizer = load_tokenizer(ckpt)
+    eos = eos_token_ids(generation_config(ckpt), tokenizer)
     ends = {s: [bool(c) and c[-1] in eos for c in records[(s - 1) // per_round]["completion_ids"]] for s in steps}
     has_eos = any(t in eos for ids in records[0]["prompt_ids"] for t in ids) if records else False
     atol, rtol = (1e-5, 1.3e-6) if spec.DTYPE == "float32" else (1e-2, 1.6e-2)
     scores = {s: scores_by_round[(s - 1) // per_round] for s in steps
               if scores_by_round and (s - 1) // per_round < len(scores_by_round)}
     return {"lengths": lengths, "eos_ids": eos, "ends_with_eos": ends, "prompts_have_eos": has_eos,
-            "atol": atol, "rtol": rtol, "scores": scores}
+            "atol": atol, "rtol": rtol, "scores": scores, "pad_id": tokenizer.pad_token_id}
 
 
 def round_scores(path) -> list[dict[str, list]]:

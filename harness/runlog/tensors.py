@@ -15,10 +15,23 @@ TENSORS_FILE = "tensors.jsonl"
 # rewards -> advantages -> the loss's mask -> log-probs (policy, old, reference) -> per-token loss -> loss -> gradient
 CHAIN = ("rewards", "advantages", "mask", "logps", "old_logps", "ref_logps", "per_token_loss", "loss", "grad_norm")
 PER_TOKEN = ("mask", "logps", "old_logps", "ref_logps", "per_token_loss")
+PER_ROW = ("rewards", "advantages")
+# beside the chain: a slice of the parameters around the optimizer step (harness.loop.Probe), for the optimizer stage
+EXTRA = ("probe",)
 
 
-def _plain(value):
-    """A tensor, array, number or nested list as JSON-ready lists of floats (NaN and inf kept)."""
+def _plain(value, name: str | None = None):
+    """A tensor, array, number or nested list as JSON-ready lists of floats (NaN and inf kept). A list of tensors is
+    your micro-batches in order: per-token ones (B, T) are stacked row by row (a 1-D item is one completion's row),
+    per-completion ones (B,) joined."""
+    if isinstance(value, (list, tuple)) and any(hasattr(v, "tolist") for v in value):
+        parts = [_plain(v) for v in value]
+        if name in PER_TOKEN:
+            return [row for p in parts for row in (p if p and isinstance(p[0], list) else [p])]
+        if name in PER_ROW:
+            return [x for p in parts for x in (p if isinstance(p, list) else [p])]
+        raise ValueError(f"{name}: one number for the step (the loss or gradient norm as you log it), got a list of "
+                         f"{len(parts)}: add your micro-batches' values up first")
     if hasattr(value, "detach"):
         value = value.detach()
     if hasattr(value, "float") and hasattr(value, "cpu"):
@@ -32,10 +45,10 @@ def write_row(path: str | Path, step: int, named: dict) -> None:
     """Append one step's tensors (names from CHAIN) to `path`."""
     row = {"step": int(step)}
     for name, value in named.items():
-        if name not in CHAIN:
+        if name not in CHAIN and name not in EXTRA:
             raise ValueError(f"unknown tensor {name!r}; one of {', '.join(CHAIN)}")
         if value is not None:
-            row[name] = _plain(value)
+            row[name] = value if name in EXTRA else _plain(value, name)
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row, allow_nan=True) + "\n")
 

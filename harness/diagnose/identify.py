@@ -1,0 +1,778 @@
+"""Identify each stage of your loop from its own tensors: the rule it applies, in closed form where the math allows,
+without re-running anything.
+
+The explanation search (explain.py) re-runs the built-in loop with candidate settings and finds what its vocabulary
+holds. A loop nobody here has seen brings choices no list holds (an advantage epsilon of 3.7e-3, a mask on the pad
+token's id, a divisor of its own, Adam's beta2 0.995). Each stage below reads one link of the loop's step from the
+tensors the loop saved (`harness.loop.tensors`, and for the optimizer `harness.loop.Probe`) and says:
+- the rule, in words, said of your loop;
+- the spec fields that make the built-in loop do the same (`settings`), where it has a switch, or `no_switch`;
+- whether the rule reproduces your tensors within tolerance (`exact`), and what this run could not tell
+  (`unsettled`: an epsilon below the run's resolution, a clip bound never reached, a threshold every step exceeds).
+
+The stages, each a plain function of plain lists (rows in the rollout's order, per-token rows read up to each
+completion's length where said):
+    advantages(rewards, advantages, group)                       centring, scaling (std estimator, epsilon), clipping
+    mask(mask_rows, completion_ids, eos_ids, ...)                which tokens count in the loss, as a rule on token
+                                                                 features (id, eos, position, truncation)
+    weighting(per_token_loss, mask, loss, ...)                   how per-token losses become the loss (TRL's loss
+                                                                 types, or a divisor)
+    objective(per_token_loss, advantages, logps, ...)            the per-token objective: ratio form, KL estimator and
+                                                                 weight, clip bounds
+    optimizer(probe_rows, grad_norms)                            Adam's learning rate per step, betas, epsilon, weight
+                                                                 decay, gradient clipping
+`identify(...)` runs every stage the saved tensors allow and returns the findings in the chain's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """What one stage of your loop does, read from its tensors."""
+    stage: str  # advantages | mask | weighting | objective | optimizer
+    step: int | None  # the step whose tensors were read (None: several)
+    rule: str  # in words, of your loop ("centres each group's rewards and divides by its population std + 1e-8")
+    settings: dict  # spec fields that make the built-in loop do the same ({}: TRL's as the spec sets it up)
+    exact: bool  # the rule reproduces your tensors within tolerance
+    same_as_spec: bool = False  # the rule is the spec's own (TRL's as configured): nothing to name
+    no_switch: bool = False  # a rule the built-in loop has no switch for (named, never searched)
+    unsettled: tuple = ()  # what this run could not tell, in words
+    evidence: dict = dataclasses.field(default_factory=dict)
+    settles: tuple = ()  # the spec fields this finding settles: the search leaves them as found
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _arr(value) -> np.ndarray:
+    return np.asarray(value, dtype=np.float64).reshape(-1)
+
+
+def _rows(value, lengths) -> list[np.ndarray]:
+    """Per-token rows cut to each completion's length."""
+    return [np.asarray(r[:n], dtype=np.float64) for r, n in zip(value, lengths)]
+
+
+# round values a measured setting snaps to when it is within the run's resolution of one
+_NICE_EPS = (1e-8, 0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-7, 1e-10, 1e-12)
+
+
+def snap(value: float, unc: float, nice=_NICE_EPS) -> float:
+    """The first round value within `unc` of `value` (the commonest choices first), else `value` to 3 digits."""
+    for v in nice:
+        if abs(v - value) <= unc:
+            return v
+    return float(f"{value:.3g}")
+
+
+# ---------------------------------------------------------------------------------------------
+# advantages as a function of rewards
+# ---------------------------------------------------------------------------------------------
+def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
+    """Your advantages as a function of your own rewards, group by group: the centring (the group's mean, the
+    batch's, none), the scale (none, a constant, the group's or the batch's std, Bessel's or the population's, plus
+    an epsilon outside or inside the square root, solved for in closed form: eps = (r - mean) / A - std), and a clip
+    of the advantages where some sit at one magnitude. `spec`: the built-in loop's current settings (ADV_SCALE, STD,
+    STD_EPS, STD_EPS_INSIDE), to say what differs."""
+    r, a = _arr(rewards), _arr(adv)
+    if len(r) != len(a) or len(r) == 0 or len(r) % group:
+        return Finding("advantages", step, f"cannot be read: {len(r)} rewards and {len(a)} advantages in groups of "
+                       f"{group}", {}, False)
+    g = r.reshape(-1, group)
+    centred = {"group": (g - np.nanmean(g, axis=1, keepdims=True)).reshape(-1), "batch": r - np.nanmean(r), "none": r}
+    tol = lambda x: atol + rtol * np.abs(x)  # noqa: E731
+    best = None
+    for centring, c in centred.items():
+        zero_c = np.abs(c) <= tol(r) + 1e-7
+        if not np.all(np.abs(a[zero_c]) <= tol(a[zero_c]) + 1e-6):
+            continue  # a reward at its centre must have advantage 0 (no offset)
+        live = ~zero_c & (np.abs(a) > 1e-7)
+        if not np.any(live):
+            if not np.any(~zero_c):
+                continue
+            best = best or (centring, None, "every advantage is 0")
+            continue
+        dead = ~zero_c & ~live
+        if np.any(dead):
+            continue  # a nonzero centred reward with advantage 0: not this centring
+        s = np.full(len(r), np.nan)
+        s[live] = c[live] / a[live]
+        if np.any(s[live] <= 0):
+            continue
+        clipped = np.zeros(len(r), bool)
+        mags = np.abs(a[live])
+        top = mags.max()
+        # advantages clipped at one magnitude: those at the top whose own scale is off the group's
+        scale_kind, fitted = _scale(s, live, clipped, group, rtol)
+        if scale_kind is None and np.sum(np.isclose(mags, top, rtol=1e-6)) >= 1:
+            at_top = live & np.isclose(np.abs(a), top, rtol=1e-6)
+            scale_kind, fitted = _scale(s, live & ~at_top, at_top, group, rtol)
+            if scale_kind is not None:
+                clipped = at_top
+        if scale_kind is None:
+            continue
+        best = (centring, (scale_kind, fitted, clipped, top if clipped.any() else None), None)
+        break
+    if best is None:
+        return Finding("advantages", step, "not a centring and scaling of your rewards the stage knows (group, batch or "
+                       "no mean; a constant, group or batch scale)", {}, False, evidence={"rewards": r.tolist()[:8],
+                                                                                       "advantages": a.tolist()[:8]})
+    centring, scaled, empty = best
+    if scaled is None:
+        return Finding("advantages", step, f"{empty}: the rewards of every group are equal, nothing to read", {},
+                       True, same_as_spec=True, unsettled=("every advantage was 0 at this step: the scale cannot be "
+                                                           "read",))
+    kind, fitted, clipped, top = scaled
+    return _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step)
+
+
+def _scale(s, live, clipped, group: int, rtol: float):
+    """('none' | 'constant' | 'group', value(s)) when the per-element scales s = centred / A are 1, one constant, or
+    one constant per group; None otherwise."""
+    use = live & ~clipped
+    if not np.any(use):
+        return None, None
+    vals = s[use]
+    spread = lambda v: (v.max() - v.min()) / max(abs(np.median(v)), 1e-30)  # noqa: E731
+    if spread(vals) <= 10 * rtol:
+        if abs(np.median(vals) - 1.0) <= 10 * rtol:
+            return "none", 1.0
+        return "constant", float(np.median(vals))
+    per_group = {}
+    for i in np.flatnonzero(use):
+        per_group.setdefault(i // group, []).append(s[i])
+    if all(spread(np.asarray(v)) <= 10 * rtol for v in per_group.values()):
+        return "group", {k: float(np.median(v)) for k, v in per_group.items()}
+    return None, None
+
+
+def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> Finding:
+    spec_has = {k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE")} if spec else {}
+    unsettled, settings, words, no_switch = [], {}, [], False
+    if centring == "batch":
+        words.append("centres the rewards on the batch's mean (TRL: each group's)")
+        no_switch = True
+    elif centring == "none":
+        words.append("uses the rewards without subtracting a mean (TRL: each group's)")
+        no_switch = True
+    else:
+        words.append("centres each group's rewards on its mean")
+    if kind == "none":
+        settings["ADV_SCALE"] = "none"
+        words.append("and does not divide by a std")
+        fit = {}
+    elif kind == "constant":
+        flat = g.reshape(-1)
+        fit = _std_fit({0: fitted}, {0: flat})
+        if fit:
+            settings["ADV_SCALE"] = "batch"
+        else:
+            words.append(f"and divides by a constant {fitted:.4g} (no std of the rewards + an epsilon gives it)")
+            no_switch = True
+    else:
+        fit = _std_fit(fitted, {k: g[k] for k in fitted})
+        if fit:
+            settings["ADV_SCALE"] = "group"
+        else:
+            words.append("and divides each group by a factor of its own that no std + epsilon of its rewards gives")
+            no_switch = True
+    if fit:
+        std, inside, eps, unc = fit["std"], fit["inside"], fit["eps"], fit["unc"]
+        settings.update(STD=std, STD_EPS_INSIDE=inside, STD_EPS=eps)
+        where = "the batch's" if kind == "constant" else "the group's"
+        est = "population std (n)" if std == "population" else "Bessel's std (n - 1)"
+        words.append(f"and divides by {where} {est}" + (f" with {eps:g} inside the square root, sqrt(var + eps)"
+                                                        if inside else f" + {eps:g}"))
+        if unc > 0 and (eps == 0 or unc >= eps / 2):
+            unsettled.append(f"the advantage epsilon is below {unc:.1g}: the run cannot tell {eps:g} from other "
+                             "values that small (the rewards' spread is too wide for it to show)")
+    if clipped is not None and clipped.any():
+        words.append(f"then clips the advantages to [-{top:.4g}, {top:.4g}]")
+        no_switch = True
+    if spec_has:
+        settings = {k: v for k, v in settings.items() if k in spec_has and not _same(spec_has[k], v)}
+        if "STD_EPS" in settings and unsettled and abs(spec_has["STD_EPS"] - fit["eps"]) <= fit["unc"]:
+            settings.pop("STD_EPS")  # the spec's own epsilon is as good as any the run can tell apart
+    same = not settings and not no_switch
+    settles = ("ADV_SCALE", "STD", "STD_EPS_INSIDE") + (() if unsettled else ("STD_EPS",)) if fit or kind == "none" \
+        else ()
+    return Finding("advantages", step, "your loop " + " ".join(words), settings, True, same_as_spec=same,
+                   no_switch=no_switch, unsettled=tuple(unsettled), settles=settles if not no_switch else (),
+                   evidence={"centring": centring, "scale": kind, **({"eps_estimate": fit["raw"]} if fit else {})})
+
+
+def _std_fit(scales: dict, rewards: dict) -> dict | None:
+    """The std estimator and epsilon (outside or inside the square root) that give each group's measured scale from
+    its rewards: eps = scale - std (outside) or scale^2 - var (inside), the same for every group and not negative.
+    Returns the simplest fit ({std, inside, eps, unc, raw}) or None."""
+    fits = []
+    for std in ("bessel", "population"):
+        for inside in (False, True):
+            est = []
+            for k, sc in scales.items():
+                x = rewards[k][~np.isnan(rewards[k])]
+                if len(x) < 2:
+                    continue
+                sd = float(np.std(x, ddof=1 if std == "bessel" else 0))
+                est.append((sc * sc - sd * sd, sc * sc) if inside else (sc - sd, sc))
+            if not est:
+                continue
+            eps = np.array([e for e, _ in est])
+            # resolution: the scale is known to ~1e-6 relative (float32 arithmetic on your side)
+            unc = max(3e-6 * max(s for _, s in est), float(eps.max() - eps.min()) / 2)
+            centre = float(np.median(eps))
+            if eps.max() - eps.min() > max(6e-6 * max(s for _, s in est), 0.05 * abs(centre)):
+                continue  # not one epsilon for every group
+            if centre < -unc:
+                continue
+            fits.append({"std": std, "inside": inside, "eps": snap(max(centre, 0.0), unc), "unc": unc,
+                         "raw": centre, "spread": float(eps.max() - eps.min())})
+    if not fits:
+        return None
+    # the simplest: the epsilon outside the root before inside, Bessel's (TRL's) before the population's
+    return sorted(fits, key=lambda f: (f["inside"], f["spread"] > f["unc"], f["std"] != "bessel"))[0]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-15)
+    return a == b
+
+
+# ---------------------------------------------------------------------------------------------
+# which tokens count in the loss
+# ---------------------------------------------------------------------------------------------
+def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = None, max_tokens: int | None = None,
+         step=None) -> Finding:
+    """The tokens your loss counts, against TRL's (every completion token through the first eos, the eos included;
+    none after), read as a rule on token features: whole completions out (the truncated ones: TRL's
+    mask_truncated_completions), the eos at the end out, every occurrence of some token ids out (a mask built from
+    `ids != pad_id`, where a generated token equal to the pad id drops out too), every position from some index on
+    out (a length limit), or the padding after short completions counted."""
+    eos = set(eos_ids)
+    lengths = [len(c) for c in completion_ids]
+    truncated = [not c or c[-1] not in eos for c in completion_ids]
+    mask_trunc = bool(getattr(spec, "MASK_TRUNCATED", False)) if spec else False
+    trl = [[0 if (mask_trunc and tr) else 1] * n for n, tr in zip(lengths, truncated)]
+    mine = [[1 if float(x) > 0.5 else 0 for x in row] for row in mask_rows]
+    if len(mine) != len(completion_ids):
+        return Finding("mask", step, f"cannot be read: {len(mine)} mask rows for {len(completion_ids)} completions",
+                       {}, False)
+    out = [(i, t) for i, (m, ref) in enumerate(zip(mine, trl)) for t in range(len(ref))
+           if ref[t] == 1 and (t >= len(m) or m[t] == 0)]
+    extra_in = [(i, t) for i, (m, ref) in enumerate(zip(mine, trl)) for t in range(len(ref))
+                if ref[t] == 0 and t < len(m) and m[t] == 1]
+    padding = [(i, t) for i, m in enumerate(mine) for t in range(lengths[i], len(m)) if m[t] == 1]
+    counted = sum(map(sum, (r[:n] for r, n in zip(mine, lengths))))
+    ev = {"out": len(out), "padding_counted": len(padding), "tokens": counted}
+    rules, settings, no_switch, left = [], {}, False, set(out)
+    # truncated completions entirely out (TRL's mask_truncated_completions), or entirely in against it
+    whole = {i for i in range(len(mine)) if lengths[i] and all((i, t) in left for t in range(lengths[i]))}
+    if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]}:
+        rules.append(f"leaves the {len(whole)} truncated completion(s) (no eos) out of the loss entirely")
+        settings["MASK_TRUNCATED"] = True
+        left -= {(i, t) for i in whole for t in range(lengths[i])}
+    if extra_in and mask_trunc and {i for i, _ in extra_in} == {i for i, tr in enumerate(truncated) if tr}:
+        rules.append("keeps truncated completions in the loss")
+        settings["MASK_TRUNCATED"] = False
+        extra_in = []
+    if left:
+        ids = {completion_ids[i][t] for i, t in left}
+        every = {(i, t) for i, c in enumerate(completion_ids) for t, tok in enumerate(c) if tok in ids
+                 and not (settings.get("MASK_TRUNCATED") and truncated[i])}
+        last_eos = {(i, lengths[i] - 1) for i in range(len(mine)) if lengths[i] and not truncated[i]}
+        if left == last_eos or (ids <= eos and left == every):
+            rules.append("leaves each completion's eos token out of the loss (TRL counts it)")
+            settings["COMPLETION_MASK"] = "no_eos"
+            left = set()
+        elif left == every:
+            named = ", ".join(str(x) for x in sorted(ids)[:6])
+            pad = f" (the pad token's id, {pad_id}: a mask built from `ids != pad_id`)" if pad_id in ids else ""
+            rules.append(f"leaves every token with id {named}{pad} out of the loss, wherever it stands "
+                         f"({len(left)} token(s) here)")
+            no_switch = True
+            left = set()
+        else:
+            starts = {}
+            for i, t in left:
+                starts.setdefault(i, []).append(t)
+            cut = {min(ts) for ts in starts.values()}
+            if len(cut) == 1 and all(sorted(ts) == list(range(min(ts), lengths[i])) for i, ts in starts.items()) and \
+                    all(lengths[i] <= min(cut) for i in range(len(mine)) if i not in starts):
+                k = min(cut)
+                rules.append(f"counts only the first {k} tokens of each completion")
+                no_switch = True
+                left = set()
+    if left:
+        i, t = sorted(left)[0]
+        rules.append(f"leaves {len(left)} other token(s) out that no rule on their id, position or eos explains "
+                     f"(the first: completion {i}, token {t}, id {completion_ids[i][t]})")
+        no_switch = True
+    if padding:
+        rules.append(f"counts {len(padding)} padding position(s) after short completions in the loss")
+        settings["COMPLETION_MASK"] = "all"
+    if extra_in:
+        rules.append(f"counts {len(extra_in)} token(s) TRL leaves out")
+        no_switch = True
+    if not rules:
+        return Finding("mask", step, "your loop counts every completion token through the eos, as TRL does", {},
+                       True, same_as_spec=True, evidence=ev, settles=("COMPLETION_MASK", "MASK_TRUNCATED"))
+    spec_mask = getattr(spec, "COMPLETION_MASK", "eos") if spec else "eos"
+    settings = {k: v for k, v in settings.items() if not (k == "COMPLETION_MASK" and v == spec_mask)
+                and not (k == "MASK_TRUNCATED" and v == mask_trunc)}
+    exact = not any("no rule" in r for r in rules)
+    return Finding("mask", step, "your loop " + "; ".join(rules), settings, exact, no_switch=no_switch, evidence=ev,
+                   settles=("COMPLETION_MASK", "MASK_TRUNCATED") if exact and not no_switch else ())
+
+
+# ---------------------------------------------------------------------------------------------
+# how per-token losses are weighted into the loss
+# ---------------------------------------------------------------------------------------------
+def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, max_tokens: int, spec=None,
+              step=None, rtol: float = 1e-4, atol: float = 1e-7) -> Finding:
+    """How your per-token losses become your loss: each of TRL's loss types recomputed from your own per-token losses
+    and mask (grpo: a mean per completion, then over completions; dapo: over every token of the step; dr_grpo: the
+    sum over completions x max_completion_length; the plain sum), each also as the mean of the micro-batches' losses
+    (a loop that logs that); else the divisor itself, D = sum / loss, set against the counts it could be (the
+    mask's tokens, every completion token, completions x the longest, completions x max tokens)."""
+    rows = [np.nan_to_num(np.asarray(r[:n], dtype=np.float64)) for r, n in zip(per_token_loss, lengths)]
+    masks = [np.asarray(m[:n], dtype=np.float64) for m, n in zip(mask_rows, lengths)]
+    sums = np.array([float((x * m).sum()) for x, m in zip(rows, masks)])
+    counts = np.array([float(m.sum()) for m in masks])
+    n = len(rows)
+    loss = float(loss)
+    if not n or not math.isfinite(loss):
+        return Finding("weighting", step, f"cannot be read (loss {loss:g}, {n} rows)", {}, False)
+    total = float(sums.sum())
+    values = {"sequence": float(np.mean(sums / np.maximum(counts, 1.0))),
+              "token_global": total / max(float(counts.sum()), 1.0),
+              "constant": total / max(n * max_tokens, 1), "sum": total}
+    names = {"sequence": "averages per completion, then over completions (TRL's grpo)",
+             "token_global": "divides the masked sum by the step's loss tokens (TRL's dapo)",
+             "constant": "divides the masked sum by completions x max_completion_length (TRL's dr_grpo)",
+             "sum": "sums the per-token losses without normalising"}
+    close = lambda v: abs(v - loss) <= atol + rtol * abs(loss)  # noqa: E731
+    hits = [(k, 1) for k, v in values.items() if close(v)]
+    hits += [(k, grad_accum) for k, v in values.items() if grad_accum > 1 and close(v / grad_accum)]
+    spec_norm = ("sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")) if spec else None
+    distinct = len({round(v, 12) for v in values.values()}) == len(values)
+    if hits:
+        if spec_norm and any(k == spec_norm and f == 1 for k, f in hits):
+            return Finding("weighting", step, f"your loop {names[spec_norm]}, as the spec's loss type does", {}, True,
+                           same_as_spec=True, unsettled=() if distinct else ("at this step two loss types give the "
+                                                                             "same number",),
+                           settles=("LOSS_NORM", "LOSS_SUM") if distinct else ())
+        k, f = hits[0]
+        said = names[k] + (f", and what it logs is the mean of its {f} micro-batches' losses" if f > 1 else "")
+        settings = {"LOSS_SUM": True} if k == "sum" else {"LOSS_NORM": k}
+        alike = [h for h, _ in hits[1:]]
+        return Finding("weighting", step, "your loop " + said, settings, True,
+                       unsettled=(f"{', '.join(alike)} give the same number at this step",) if alike else (),
+                       evidence={"values": values, "logged_mean_of_micro_batches": f > 1},
+                       settles=() if alike else ("LOSS_NORM", "LOSS_SUM"))
+    if abs(total) < 1e-3 * max(float(np.abs(sums).sum()), 1e-30) or loss == 0:
+        return Finding("weighting", step, "cannot be read: the masked per-token losses sum to nearly 0 or the loss "
+                       "is 0", {}, False)
+    d = total / loss
+    longest = max(lengths) if lengths else 0
+    cands = {"the loss's tokens": counts.sum(), "every completion token (the mask's dropped tokens too)": sum(lengths),
+             "completions x the longest completion": n * longest, "completions x max tokens": n * max_tokens,
+             "completions": n}
+    named = next((f"{what} ({v:.0f})" + (f", times {f} micro-batches" if f > 1 else "")
+                  for f in (1, grad_accum) for what, v in cands.items() if abs(d - f * v) <= 1e-3 * abs(d)), None)
+    rule = f"divides the masked per-token losses' sum by {d:.6g}" + (f": {named}" if named else
+                                                                      ": no count of its tokens or completions")
+    return Finding("weighting", step, "your loop " + rule, {}, bool(named), no_switch=True,
+                   evidence={"divisor": d, "tokens": float(counts.sum()), "completion_tokens": sum(lengths)})
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-token objective
+# ---------------------------------------------------------------------------------------------
+def _kl(logp, ref, estimator: str):
+    d = ref - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return np.exp(d) - d - 1.0
+
+
+def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, ref_logps=None, spec=None, step=None,
+              rtol: float = 1e-4, atol: float = 1e-6) -> Finding:
+    """Your per-token loss against TRL's -min(ratio A, clip(ratio) A) + beta kl: the residual after the policy term
+    is fitted as beta times each KL estimator (k1, k2, k3; with and without TRL's factor of the policy ratio) by least
+    squares; a policy term -logp A (REINFORCE's value) is recognised; where the ratio leaves 1, the clip bounds are
+    read from the tokens whose term is clipped (the ratio used: -term / A), and bracketed where none is."""
+    clip_low = getattr(spec, "CLIP_LOW", 0.2) if spec else 0.2
+    clip_high = getattr(spec, "CLIP_HIGH", 0.2) if spec else 0.2
+    keep = [np.asarray(m[:n], dtype=np.float64) > 0.5 for m, n in zip(mask_rows, lengths)]
+    cat = lambda rows: np.concatenate([np.asarray(r[:n], dtype=np.float64)[k] for r, n, k  # noqa: E731
+                                       in zip(rows, lengths, keep)]) if rows is not None else None
+    ptl, lp = cat(per_token_loss), cat(logps)
+    a = np.concatenate([np.full(int(k.sum()), float(x)) for x, k in zip(_arr(adv), keep)])
+    old = cat(old_logps) if old_logps is not None else lp
+    ref = cat(ref_logps)
+    if ptl is None or lp is None or len(ptl) != len(a) or not len(ptl):
+        return Finding("objective", step, "cannot be read (per_token_loss, logps and advantages are needed)", {}, False)
+    ratio = np.exp(lp - old)
+    tol = atol + rtol * np.abs(ptl)
+    forms = {"ratio": -np.minimum(ratio * a, np.clip(ratio, 1 - clip_low, 1 + clip_high) * a), "logp": -lp * a}
+    unsettled, out = [], None
+    for form, pg in forms.items():
+        resid = ptl - pg
+        if np.all(np.abs(resid) <= tol):
+            out = (form, pg, None)
+            break
+        if ref is None:
+            continue
+        for est in ("k3", "k1", "k2"):
+            for factor in (True, False):
+                k = _kl(lp, ref, est) * (ratio if factor else 1.0)
+                if not np.any(np.abs(k) > 1e-12):
+                    continue
+                beta = float(np.dot(k, resid) / np.dot(k, k))
+                if beta > 0 and np.all(np.abs(resid - beta * k) <= tol + 1e-6 * beta):
+                    out = (form, pg, (est, beta, factor))
+                    break
+            if out:
+                break
+        if out:
+            break
+    settings, words = {}, []
+    if out is None:
+        clip = _clip_bounds(ptl, ratio, a, ref is None)
+        if clip:
+            return clip
+        return Finding("objective", step, "your per-token loss is not -min(ratio A, clip(ratio) A) + beta KL (k1, k2 "
+                       "or k3, with or without the ratio factor) nor -logp A with the same inputs", {}, False,
+                       no_switch=True)
+    form, pg, kl = out
+    if form == "logp":
+        words.append("takes the policy term as -logp * A (REINFORCE's value; TRL's -ratio * A has the same gradient "
+                     "at ratio 1, another value: the logged loss differs in value alone)")
+    if kl:
+        est, beta, factor = kl
+        b = snap(beta, 1e-4 * beta, (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0))
+        words.append(f"adds a KL penalty {est} of weight {b:g}" + ("" if factor else ", not multiplied by the policy "
+                                                                                "ratio (TRL multiplies it)"))
+        settings["BETA"] = b
+        if est != "k3":
+            settings["KL_ESTIMATOR"] = est
+        if not factor:
+            settings["KL_IS_CORRECTION"] = False
+        if np.allclose(ratio, 1.0, atol=1e-7):
+            unsettled.append("the ratio is 1 at this step: TRL's factor of the policy ratio on the KL changes the "
+                             "gradient only, which the tensors' values cannot show")
+            settings.pop("KL_IS_CORRECTION", None)
+    elif ref is not None:
+        words.append("has no KL term")
+    moved = np.abs(ratio - 1.0) > 1e-6
+    if not np.any(moved):
+        unsettled.append("the ratio is exactly 1 at this step (one pass on the policy that generated): the clip bounds "
+                         "cannot act")
+    if spec:
+        spec_has = {"BETA": spec.BETA, "KL_ESTIMATOR": getattr(spec, "KL_ESTIMATOR", "k3"),
+                    "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True)}
+        settings = {k: v for k, v in settings.items() if not _same(spec_has.get(k), v)}
+    rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
+    settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if ref is not None \
+        or not kl else ()
+    return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
+                   unsettled=tuple(unsettled), settles=settles,
+                   evidence={"form": form, **({"kl": kl} if kl else {})})
+
+
+def _clip_bounds(ptl, ratio, a, no_kl: bool) -> Finding | None:
+    """Without a KL term: the ratio each token's term used (-term / A) against the ratio itself; where they differ
+    the term was clipped, and the bound is the ratio used."""
+    if not no_kl:
+        return None
+    ok = np.abs(a) > 1e-6
+    used = -ptl[ok] / a[ok]
+    r = ratio[ok]
+    clipped = np.abs(used - r) > 1e-4 * np.abs(r) + 1e-6
+    if not np.any(clipped):
+        return None
+    hi, lo = used[clipped & (used > 1)], used[clipped & (used < 1)]
+    settings, words = {}, []
+    if len(hi) and np.ptp(hi) <= 1e-4:
+        settings["CLIP_HIGH"] = float(f"{hi.mean() - 1:.4g}")
+        words.append(f"clips the ratio above at 1 + {settings['CLIP_HIGH']:g}")
+    if len(lo) and np.ptp(lo) <= 1e-4:
+        settings["CLIP_LOW"] = float(f"{1 - lo.mean():.4g}")
+        words.append(f"clips the ratio below at 1 - {settings['CLIP_LOW']:g}")
+    if not words:
+        return None
+    return Finding("objective", None, "your loop " + "; ".join(words), settings, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer, from a slice of the parameters
+# ---------------------------------------------------------------------------------------------
+_BETA1 = (0.9, 0.0, 0.5, 0.8, 0.95, 0.99)
+_BETA2 = (0.999, 0.99, 0.98, 0.95, 0.9, 0.9999, 0.5)
+_ADAM_EPS = (1e-8, 1e-6, 1e-5, 1e-7, 1e-4, 1e-10)
+
+
+def _adam_dirs(grads, norms, beta1, beta2, eps, max_norm):
+    """Adam's update direction m_hat / (sqrt(v_hat) + eps) at each step, for gradients clipped as
+    clip_grad_norm_ clips them (coefficient max_norm / (norm + 1e-6), at most 1)."""
+    m = np.zeros_like(grads[0])
+    v = np.zeros_like(grads[0])
+    out = []
+    for t, (g, nrm) in enumerate(zip(grads, norms), 1):
+        c = 1.0 if not max_norm or not math.isfinite(max_norm) else min(1.0, max_norm / (nrm + 1e-6))
+        g = g * c
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        out.append((m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps))
+    return out
+
+
+def _fit_updates(dirs, before, updates, decay, with_se: bool = False):
+    """Per step, least squares u = -lr d - lr wd p (p on the decayed elements only): (lrs, wds, relative residual),
+    and with `with_se` the standard error of each step's wd (the weights' own rounding makes the update's noise: a
+    decay of lr x wd x p is a few ulps of p)."""
+    lrs, wds, ses, res, tot = [], [], [], 0.0, 0.0
+    for d, p, u in zip(dirs, before, updates):
+        x = np.stack([-d, -p * decay], axis=1) if decay.any() else -d[:, None]
+        coef, *_ = np.linalg.lstsq(x, u, rcond=None)
+        lr = float(coef[0])
+        wd = float(coef[1] / lr) if decay.any() and lr else 0.0
+        rss = float(np.sum((x @ coef - u) ** 2))
+        res += rss
+        tot += float(np.sum(u ** 2))
+        lrs.append(lr)
+        wds.append(wd)
+        if with_se and decay.any() and lr:
+            cov = np.linalg.pinv(x.T @ x) * rss / max(len(u) - x.shape[1], 1)
+            ses.append(math.sqrt(max(float(cov[1, 1]), 0.0)) / abs(lr))
+    out = (lrs, wds, math.sqrt(res / max(tot, 1e-300)))
+    return (*out, ses) if with_se else out
+
+
+def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_total: int | None = None) -> Finding:
+    """Adam(W) from the parameter slice your loop saved (`harness.loop.Probe`: before and after each optimizer step,
+    with the gradient before clipping) and its pre-clip gradient norms: for each (beta1, beta2, eps, max_grad_norm)
+    the updates are fitted per step in closed form as u = -lr d - lr wd p, and the hypothesis with the smallest
+    residual wins; then each value is narrowed on its own and snapped to a round one the run cannot tell from it."""
+    rows = [r for r in probe_rows if r]
+    if len(rows) < 2 or len(grad_norms) < len(rows):
+        return Finding("optimizer", None, f"cannot be read: {len(rows)} probed step(s) with gradient norms (at least 2 "
+                       "are needed to tell Adam's betas)", {}, False)
+    names = rows[0]["names"]
+    before = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["before"]]) for r in rows]
+    after = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["after"]]) for r in rows]
+    grads = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["grad"]]) for r in rows]
+    decay = np.concatenate([np.full(len(x), not ("bias" in n or "norm" in n.lower()))
+                            for n, x in zip(names, rows[0]["before"])])
+    updates = [a - b for a, b in zip(after, before)]
+    norms = [float(x) for x in grad_norms[:len(rows)]]
+    finite = [x for x in norms if math.isfinite(x) and x > 0]
+    clips = [math.inf] + sorted({float(f"{x:.3g}") for x in
+                                 (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, *(m * f for m in finite for f in (0.5, 0.9, 1.1)))})
+
+    def score(b1, b2, eps, clip):
+        dirs = _adam_dirs(grads, norms, b1, b2, eps, clip)
+        return _fit_updates(dirs, before, updates, decay)
+
+    best = None
+    for b1 in _BETA1:
+        for b2 in _BETA2:
+            res = score(b1, b2, 1e-8, math.inf)[2]
+            if best is None or res < best[0]:
+                best = (res, b1, b2, 1e-8, math.inf)
+    _res, b1, b2, eps, clip = best
+    for _ in range(2):  # coordinate refinement: clip, eps, then the betas on finer grids
+        clip = min(clips, key=lambda c: score(b1, b2, eps, c)[2])
+        if math.isfinite(clip):  # narrowed between the norms around it (the clipped steps stay the same there)
+            lo = max([x for x in finite if x < clip], default=clip / 4)
+            hi = min([x for x in finite if x > clip], default=clip * 4)
+            clip = _refine(lambda c: score(b1, b2, eps, c)[2], clip, lo, hi, bracket=False)
+        eps = min(_ADAM_EPS, key=lambda e: score(b1, b2, e, clip)[2])
+        b2 = _refine(lambda x: score(b1, 1 - x, eps, clip)[2], 1 - b2, 1e-5, 0.6)
+        b2 = 1 - b2
+        b1 = min(_BETA1, key=lambda x: score(x, b2, eps, clip)[2])
+    lrs, wds, res = score(b1, b2, eps, clip)
+    # what the run can tell: values whose residual stays within 1.5x the best (or a floor) are alike
+    floor = max(res * 1.5, 1e-6)
+    alike_b2 = [x for x in _BETA2 if score(b1, x, eps, clip)[2] <= floor]
+    b2 = alike_b2[0] if alike_b2 else float(f"{b2:.4g}")
+    alike_eps = [e for e in _ADAM_EPS if score(b1, b2, e, clip)[2] <= floor]
+    eps = alike_eps[0] if alike_eps else eps
+    alike_clip = sorted({clip, *(c for c in clips if score(b1, b2, eps, c)[2] <= floor)})
+    lrs, wds, res = score(b1, b2, eps, clip)
+    exact = res < 1e-3
+    unsettled, settings, words = [], {}, []
+    lr = max(lrs)
+    peak = float(f"{lr:.4g}")
+    settings["LR"] = peak
+    sched = "constant"
+    if steps_total and len(lrs) >= 2 and not all(math.isclose(x, lrs[0], rel_tol=1e-3) for x in lrs):
+        lin = [peak * (1 - t / steps_total) for t in range(len(lrs))]
+        if all(math.isclose(x, y, rel_tol=1e-3) for x, y in zip(lrs, lin)):
+            sched = "linear"
+        else:
+            unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for x in lrs) + ") follows neither "
+                             "a constant nor a linear-to-0 schedule")
+    settings["LR_SCHEDULE"] = sched
+    words.append(f"steps Adam at a learning rate of {peak:g} ({sched})")
+    settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
+    words.append(f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}")
+    if len(alike_b2) > 1:
+        unsettled.append(f"Adam's beta2: {', '.join(f'{x:g}' for x in alike_b2)} fit the probed steps alike")
+    if len(alike_eps) > 1:
+        unsettled.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above "
+                         "it)")
+    ses = _fit_updates(_adam_dirs(grads, norms, b1, b2, eps, clip), before, updates, decay, with_se=True)[3]
+    wd = float(np.mean(wds)) if decay.any() else 0.0
+    wd_unc = 4 * (math.sqrt(sum(x * x for x in ses)) / len(ses) if ses else 0.0) + float(np.ptp(wds)) / 2
+    wd = snap(wd, max(wd_unc, 1e-3 * abs(wd), 1e-6), (0.0, 0.01, 0.1, 0.001, 0.05, 0.02))
+    if wd_unc > 0.5 * max(abs(wd), 1e-12) and wd_unc > 1e-4:
+        unsettled.append(f"weight decay is known to about +-{wd_unc:.1g} only (at this learning rate a decay moves "
+                         "weights by a few of their rounding steps)")
+    settings["WEIGHT_DECAY"] = wd
+    if wd:
+        words.append(f"decoupled weight decay {wd:g}")
+    if math.isinf(clip):
+        settings["MAX_GRAD_NORM"] = _clip_setting(alike_clip, finite, spec)
+        if settings["MAX_GRAD_NORM"]:
+            unsettled.append(f"no probed step's gradient norm (the largest {max(finite):.4g}) reached a clipping "
+                             f"threshold: max_grad_norm {settings['MAX_GRAD_NORM']:g} or none cannot be told apart")
+        else:
+            words.append("without gradient clipping")
+    else:
+        settings["MAX_GRAD_NORM"] = float(f"{clip:.3g}")
+        words.append(f"clipping the gradient norm at {clip:g}")
+        below = [c for c in alike_clip if math.isfinite(c)]
+        if len(below) > 1:
+            unsettled.append(f"max_grad_norm between {min(below):g} and {max(below):g} fits alike (Adam all but "
+                             "cancels a clipped gradient's scale)")
+    if spec:
+        has = {k: getattr(spec, k) for k in settings}
+        settings = {k: v for k, v in settings.items() if not _same(has[k], v)
+                    and not (k == "MAX_GRAD_NORM" and not v and not has[k])}
+    settles = ("LR", "LR_SCHEDULE", "ADAM_BETA1")
+    settles += () if len(alike_b2) > 1 else ("ADAM_BETA2",)
+    settles += () if len(alike_eps) > 1 else ("ADAM_EPS",)
+    settles += () if any(u.startswith("weight decay") for u in unsettled) else ("WEIGHT_DECAY",)
+    settles += () if any("max_grad_norm" in u for u in unsettled) else ("MAX_GRAD_NORM",)
+    if any(u.startswith("the learning rate per step") for u in unsettled):
+        settles = tuple(k for k in settles if k != "LR_SCHEDULE")
+        settings.pop("LR_SCHEDULE", None)
+    return Finding("optimizer", None, "your loop " + " ".join(words), settings, exact,
+                   same_as_spec=not settings, unsettled=tuple(unsettled), settles=settles if exact else (),
+                   evidence={"residual": res, "lrs": lrs, "weight_decays": wds})
+
+
+def _clip_setting(alike, norms, spec) -> float:
+    """No step clipped: keep the spec's threshold where it is above every norm seen, else none (0)."""
+    have = float(getattr(spec, "MAX_GRAD_NORM", 0.0)) if spec else 0.0
+    if have and have > max(norms, default=0):
+        return have
+    return 0.0
+
+
+def _refine(f, x0: float, lo: float, hi: float, iters: int = 40, bracket: bool = True) -> float:
+    """Golden-section search of f on log(x) in [lo, hi] (with `bracket`, only x0 / 10 .. x0 * 10 of it); x0 unless
+    something better is found."""
+    a, b = (math.log(max(lo, x0 / 10)), math.log(min(hi, x0 * 10))) if bracket else (math.log(lo), math.log(hi))
+    gr = (math.sqrt(5) - 1) / 2
+    c, d = b - gr * (b - a), a + gr * (b - a)
+    fc, fd = f(math.exp(c)), f(math.exp(d))
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - gr * (b - a)
+            fc = f(math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + gr * (b - a)
+            fd = f(math.exp(d))
+    best = math.exp((a + b) / 2)
+    return best if f(best) <= f(x0) else x0
+
+
+# ---------------------------------------------------------------------------------------------
+# every stage the saved tensors allow
+# ---------------------------------------------------------------------------------------------
+STAGES = ("advantages", "mask", "weighting", "objective", "optimizer")
+
+
+def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int], pad_id: int | None,
+             grad_norms: dict[int, float]) -> list[Finding]:
+    """Every stage your saved tensors allow, in the chain's order. `mine`: {step: {tensor: value}} (read_tensors);
+    `records`: the lockstep rounds your loop trained on; `spec`: the built-in loop as TRL (what differs is said
+    against it); `grad_norms`: your logged pre-clip gradient norm per step. A stage is read at every step that has
+    its tensors; the exact reading with the least left unsettled wins (the earliest at a tie). Steps that train on a
+    slice of a round (STEPS_PER_GENERATION > 1) are not read: their rows are not the round's."""
+    if spec.STEPS_PER_GENERATION > 1:
+        return []
+    per_round = spec.NUM_ITERATIONS
+    found: dict[str, list[Finding]] = {k: [] for k in STAGES}
+    for step in sorted(mine):
+        t = mine[step]
+        r = (step - 1) // per_round
+        if r >= len(records):
+            continue
+        comps = records[r]["completion_ids"]
+        lengths = [len(c) for c in comps]
+        if "rewards" in t and "advantages" in t:
+            found["advantages"].append(advantages(t["rewards"], t["advantages"], spec.GROUP_SIZE, spec, step=step))
+        if "mask" in t and _rows_of(t["mask"], len(comps)):
+            found["mask"].append(mask(t["mask"], comps, eos_ids, spec, pad_id, spec.MAX_TOKENS, step=step))
+        if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
+            found["weighting"].append(weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), lengths,
+                                                spec.GRAD_ACCUM, spec.MAX_TOKENS, spec, step=step))
+        if all(k in t for k in ("per_token_loss", "advantages", "logps", "mask")) and _rows_of(t["logps"], len(comps)):
+            found["objective"].append(objective(t["per_token_loss"], t["advantages"], t["logps"], t["mask"], lengths,
+                                                t.get("old_logps"), t.get("ref_logps"), spec, step=step))
+    probes = [mine[s]["probe"] for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
+    norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
+    if probes and all(isinstance(x, (int, float)) for x in norms):
+        found["optimizer"].append(optimizer(probes, norms, spec, steps_total=spec.STEPS))
+    out = []
+    for stage in STAGES:
+        cands = found[stage]
+        if cands:
+            out.append(min(cands, key=lambda f: (not f.exact, len(f.unsettled), f.step or 0)))
+    return out
+
+
+def _rows_of(value, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(isinstance(r, list) for r in value)
+
+
+def _number(value) -> float:
+    while isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
+def settings_of(findings: list[Finding]) -> tuple[dict, tuple]:
+    """What the exact findings set (spec fields for the built-in loop) and the fields they settle."""
+    changes, settles = {}, []
+    for f in findings:
+        if f.exact:
+            changes.update(f.settings)
+            settles += list(f.settles)
+    return changes, tuple(dict.fromkeys(settles))
+
+
+def words(findings: list[Finding]) -> list[str]:
+    """One sentence per finding that differs from the spec, and one per thing the run could not tell."""
+    out = []
+    for f in findings:
+        if not f.same_as_spec:
+            how = "read from your tensors" + (f" at step {f.step}" if f.step else "") + ("" if f.exact else
+                                                                                      " (partly: no rule fits all)")
+            out.append(f"{f.stage}, {how}: {f.rule}")
+        out += [f"{f.stage}: this run could not tell: {u}" for u in f.unsettled]
+    return out

@@ -1,0 +1,240 @@
+"""Each stage of a loop identified from its own tensors (harness/diagnose/identify.py), with the rule drawn at random:
+the stage must name the rule and its value, and say what the run could not tell. The tensors are made here the way a
+loop makes them (float32 arithmetic, torch's own AdamW and clip_grad_norm_), never from the stage's own formulas."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+from harness.diagnose import identify
+
+SPEC = types.SimpleNamespace(ADV_SCALE="group", STD="bessel", STD_EPS=1e-4, STD_EPS_INSIDE=False, MASK_TRUNCATED=False,
+                             COMPLETION_MASK="eos", LOSS_NORM="sequence", LOSS_SUM=False, BETA=0.0, KL_ESTIMATOR="k3",
+                             KL_IS_CORRECTION=True, CLIP_LOW=0.2, CLIP_HIGH=0.2, LR=3e-3, LR_SCHEDULE="constant",
+                             ADAM_BETA1=0.9, ADAM_BETA2=0.99, ADAM_EPS=1e-8, WEIGHT_DECAY=0.0, MAX_GRAD_NORM=1.0)
+
+
+def _rewards(rng: random.Random, groups: int, g: int) -> torch.Tensor:
+    """Rewards like GSM8K's (correctness 0/1 plus a format score 0/0.5), as float32."""
+    return torch.tensor([rng.choice((0.0, 1.0)) + rng.choice((0.0, 0.5)) for _ in range(groups * g)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_advantages_random_rule(seed):
+    rng = random.Random(seed)
+    g = rng.choice((4, 8))
+    r = _rewards(rng, 6, g)
+    unbiased = rng.random() < 0.5
+    eps = float(f"{10 ** rng.uniform(-3, -0.5):.3g}")
+    grouped = r.view(-1, g)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True, unbiased=unbiased) + eps)).view(-1)
+    f = identify.advantages(r.tolist(), adv.tolist(), g, SPEC)
+    assert f.exact and not f.no_switch, f
+    assert f.settings.get("STD", "bessel") == ("bessel" if unbiased else "population"), f
+    assert f.settings["STD_EPS"] == pytest.approx(eps, rel=2e-2), (f, eps)
+    assert "STD_EPS_INSIDE" not in f.settings and "ADV_SCALE" not in f.settings
+
+
+def test_advantages_small_eps_is_unsettled_and_trl_is_same():
+    rng = random.Random(7)
+    r = _rewards(rng, 6, 4)
+    grouped = r.view(-1, 4)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    tiny = (centred / (grouped.std(1, keepdim=True, unbiased=False) + 1e-8)).view(-1)
+    f = identify.advantages(r.tolist(), tiny.tolist(), 4, SPEC)
+    assert f.settings == {"STD": "population", "STD_EPS": 1e-8}, f
+    assert f.unsettled and "cannot tell" in f.unsettled[0]
+    trl = (centred / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+    same = identify.advantages(r.tolist(), trl.tolist(), 4, SPEC)
+    assert same.same_as_spec and same.settings == {}, same
+
+
+def test_advantages_inside_sqrt_batch_none_and_clip():
+    rng = random.Random(3)
+    r = _rewards(rng, 8, 4)
+    grouped = r.view(-1, 4)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    inside = (centred / torch.sqrt(grouped.var(1, keepdim=True) + 0.05)).view(-1)
+    f = identify.advantages(r.tolist(), inside.tolist(), 4, SPEC)
+    assert f.settings == {"STD_EPS_INSIDE": True, "STD_EPS": 0.05}, f
+    batch = centred.view(-1) / (r.std() + 0.01)
+    f = identify.advantages(r.tolist(), batch.tolist(), 4, SPEC)
+    assert f.settings == {"ADV_SCALE": "batch", "STD_EPS": 0.01}, f
+    f = identify.advantages(r.tolist(), centred.view(-1).tolist(), 4, SPEC)
+    assert f.settings == {"ADV_SCALE": "none"}, f
+    clipped = ((centred / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)).clamp(-1.2, 1.2)
+    f = identify.advantages(r.tolist(), clipped.tolist(), 4, SPEC)
+    if (clipped.abs() == 1.2).any():
+        assert "clips the advantages to [-1.2, 1.2]" in f.rule and f.no_switch, f
+
+
+def _completions(rng: random.Random, n: int, eos: int, vocab: int, max_tokens: int) -> list[list[int]]:
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, max_tokens)
+        ids = [rng.randrange(3, vocab) for _ in range(k)]
+        if k < max_tokens or rng.random() < 0.5:
+            ids[-1] = eos  # ends with its eos (through the first eos, as rollouts are cut)
+        out.append(ids)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mask_on_a_random_token_id(seed):
+    """A mask built from `ids != pad_id`, where the pad id is a token the model also generates."""
+    rng = random.Random(seed)
+    comps = _completions(rng, 16, eos=2, vocab=12, max_tokens=10)
+    pad = rng.randrange(3, 12)
+    if not any(pad in c for c in comps):
+        comps[0][0] = pad
+    width = max(map(len, comps))
+    rows = [[1 if t < len(c) and c[t] != pad else 0 for t in range(width)] for c in comps]
+    f = identify.mask(rows, comps, [2], SPEC, pad_id=pad)
+    assert f.no_switch and f"id {pad} (the pad token's id" in f.rule, f
+
+
+def test_mask_no_eos_truncated_padding_and_same():
+    rng = random.Random(11)
+    comps = _completions(rng, 16, eos=2, vocab=12, max_tokens=8)
+    width = max(map(len, comps))
+    trl = [[1 if t < len(c) else 0 for t in range(width)] for c in comps]
+    assert identify.mask(trl, comps, [2], SPEC).same_as_spec
+    no_eos = [[1 if t < len(c) - (c[-1] == 2) else 0 for t in range(width)] for c in comps]
+    assert identify.mask(no_eos, comps, [2], SPEC).settings == {"COMPLETION_MASK": "no_eos"}
+    trunc = [[0] * width if c[-1] != 2 else row for c, row in zip(comps, trl)]
+    assert any(c[-1] != 2 for c in comps)
+    assert identify.mask(trunc, comps, [2], SPEC).settings == {"MASK_TRUNCATED": True}
+    padded = [[1] * width for _ in comps]
+    assert identify.mask(padded, comps, [2], SPEC).settings == {"COMPLETION_MASK": "all"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weighting_random_divisor_and_loss_types(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    comps = _completions(rng, 8, eos=2, vocab=12, max_tokens=12)
+    lengths = list(map(len, comps))
+    width = max(lengths)
+    ptl = torch.randn(8, width)
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(width)] for n in lengths])
+    masked = (ptl * mask)
+    seq = float(((masked.sum(1) / mask.sum(1)).mean()))
+    f = identify.weighting(ptl.tolist(), mask.tolist(), seq, lengths, 1, 12, SPEC)
+    assert f.same_as_spec, f
+    dapo = float(masked.sum() / mask.sum())
+    f = identify.weighting(ptl.tolist(), mask.tolist(), dapo, lengths, 1, 12, SPEC)
+    assert f.settings == {"LOSS_NORM": "token_global"}, f
+    dr = float(masked.sum() / (8 * 12))
+    assert identify.weighting(ptl.tolist(), mask.tolist(), dr, lengths, 1, 12, SPEC).settings == {"LOSS_NORM": "constant"}
+    d = rng.uniform(3, 300)
+    f = identify.weighting(ptl.tolist(), mask.tolist(), float(masked.sum()) / d, lengths, 1, 12, SPEC)
+    assert f.no_switch and f"{d:.6g}" in f.rule, (f, d)
+
+
+def test_weighting_divisor_counts_tokens_the_mask_drops():
+    """The issue's case: a generated token equal to the pad id is out of the numerator but in the divisor."""
+    torch.manual_seed(0)
+    comps = [[5, 7, 2], [7, 7, 9, 2], [4, 2], [3, 3, 3, 3]]
+    lengths = list(map(len, comps))
+    ptl = torch.randn(4, 4)
+    mask = torch.tensor([[1.0 if t < len(c) and c[t] != 7 else 0.0 for t in range(4)] for c in comps])
+    loss = float((ptl * mask).sum() / sum(lengths))
+    f = identify.weighting(ptl.tolist(), mask.tolist(), loss, lengths, 1, 4, SPEC)
+    assert "every completion token (the mask's dropped tokens too)" in f.rule and f.exact, f
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_objective_random_kl(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    lengths = [rng.randint(2, 9) for _ in range(8)]
+    w = max(lengths)
+    logp = -torch.rand(8, w) * 3
+    ref = logp + torch.randn(8, w) * 0.1
+    adv = torch.randn(8)
+    beta = rng.choice((0.001, 0.01, 0.04, 0.1))
+    est = rng.choice(("k1", "k2", "k3"))
+    d = ref - logp
+    kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1}[est]
+    ptl = -adv[:, None] * torch.ones_like(logp) + beta * kl  # ratio 1: -A + beta kl
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(w)] for n in lengths])
+    f = identify.objective(ptl.tolist(), adv.tolist(), logp.tolist(), mask.tolist(), lengths, ref_logps=ref.tolist(),
+                           spec=SPEC)
+    assert f.settings.get("BETA") == beta and f.settings.get("KL_ESTIMATOR", "k3") == est, (f, beta, est)
+    assert any("ratio is 1" in u for u in f.unsettled)
+
+
+def test_objective_clip_bound_read_from_clipped_tokens():
+    torch.manual_seed(0)
+    logp = -torch.rand(6, 5) * 2
+    old = logp + torch.randn(6, 5) * 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    ratio = torch.exp(logp - old)
+    hi = 0.137
+    ptl = -torch.min(ratio * adv[:, None], ratio.clamp(1 - 0.2, 1 + hi) * adv[:, None])
+    f = identify.objective(ptl.tolist(), adv.tolist(), logp.tolist(), [[1] * 5] * 6, [5] * 6, old_logps=old.tolist(),
+                           spec=SPEC)
+    assert f.settings.get("CLIP_HIGH") == pytest.approx(hi, rel=1e-3), f
+
+
+def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, steps: int = 4, linear: bool = False):
+    """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes."""
+    from harness.loop import Probe
+
+    torch.manual_seed(seed)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.norm, self.down = torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.down(self.norm(self.up(x)))
+
+    model = Net()
+    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n.lower())]
+    rest = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n.lower()]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}], lr=lr,
+                            betas=betas, eps=eps)
+    probe = Probe(model)
+    rows, norms = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * (1 - step / 10) if linear else lr
+        x = torch.randn(64, 16)
+        loss = (model(x) ** 2).mean() * (1 + step)  # norms that change from step to step
+        loss.backward()
+        before = probe.read(grads=True)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        rows.append({**before, "after": probe.read()["before"]})
+    return rows, norms
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_optimizer_random_adamw(seed):
+    rng = random.Random(seed)
+    lr = float(f"{10 ** rng.uniform(-4, -2):.3g}")
+    beta2 = rng.choice((0.999, 0.99, 0.95, 0.9))
+    wd = rng.choice((0.0, 0.01, 0.1))
+    rows, norms = _adamw_run(seed, lr, (0.9, beta2), 1e-8, wd, 0.0)
+    f = identify.optimizer(rows, norms, SPEC, steps_total=10)
+    got = {**{k: getattr(SPEC, k) for k in ("LR", "ADAM_BETA2", "WEIGHT_DECAY", "ADAM_BETA1")}, **f.settings}
+    assert got["LR"] == pytest.approx(lr, rel=1e-3), f
+    assert got["ADAM_BETA2"] == beta2 and got["WEIGHT_DECAY"] == wd and got["ADAM_BETA1"] == 0.9, (f, beta2, wd)
+    assert f.settings.get("MAX_GRAD_NORM", SPEC.MAX_GRAD_NORM) in (0.0,) or max(norms) < SPEC.MAX_GRAD_NORM, f
+    assert f.exact, f.evidence["residual"]
+
+
+def test_optimizer_clipping_schedule_and_beta1():
+    rows, norms = _adamw_run(5, 1e-3, (0.8, 0.999), 1e-8, 0.0, 0.0, linear=True)
+    thr = sorted(norms)[1] * 1.05  # some steps clipped, others not
+    rows, norms = _adamw_run(5, 1e-3, (0.8, 0.999), 1e-8, 0.0, thr, linear=True)
+    f = identify.optimizer(rows, norms, SPEC, steps_total=10)
+    assert f.settings.get("LR_SCHEDULE") == "linear" and f.settings.get("ADAM_BETA1") == 0.8, f
+    assert f.settings["MAX_GRAD_NORM"] == pytest.approx(thr, rel=0.15), (f, thr, norms)
