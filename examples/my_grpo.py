@@ -19,6 +19,10 @@ Its choices are flags, so you can see what the harness says when they differ fro
     --reward-weights 1,1     its own weights for the reward functions' scores (TRL: reward_weights)
     --pg-loss ratio|logp     the policy term -ratio * A (TRL), or -logp * A (REINFORCE: the same gradient with one
                              pass per round, another value)
+    --mask-token-id ID       build the loss mask from token ids (`ids != ID`, as loops do with their pad id): a
+                             generated token ID drops out of the loss
+    --loss-divisor D         the loss is the masked per-token losses' sum divided by D (a fixed constant)
+    --max-grad-norm M        its own gradient clipping threshold (0: none)
 The spec's NUM_ITERATIONS > 1 takes that many optimizer steps over each round, logp_old from a no-grad pass.
 Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
@@ -49,7 +53,11 @@ p.add_argument("--lr-schedule", choices=("constant", "linear"))
 p.add_argument("--clip-high", type=float)
 p.add_argument("--reward-weights", type=lambda t: [float(w) for w in t.split(",")])
 p.add_argument("--pg-loss", choices=("ratio", "logp"), default="ratio")
+p.add_argument("--mask-token-id", type=int)
+p.add_argument("--loss-divisor", type=float)
+p.add_argument("--max-grad-norm", type=float)
 p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
+p.add_argument("--no-probe", action="store_true", help="save the tensors, but no slice of the weights (the optimizer)")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
 args = p.parse_args()
 
@@ -64,7 +72,7 @@ WEIGHT_DECAY = args.weight_decay if args.weight_decay is not None else cfg.get("
 CLIP_LOW = cfg.get("CLIP_LOW", 0.2)
 CLIP_HIGH = args.clip_high if args.clip_high is not None else cfg.get("CLIP_HIGH", 0.28)
 TEMPERATURE, MAX_TOKENS = cfg.get("TEMPERATURE", 1.0), cfg.get("MAX_TOKENS", 512)
-MAX_GRAD_NORM = cfg.get("MAX_GRAD_NORM", 1.0)
+MAX_GRAD_NORM = args.max_grad_norm if args.max_grad_norm is not None else cfg.get("MAX_GRAD_NORM", 1.0)
 LINEAR_LR = (args.lr_schedule or cfg.get("LR_SCHEDULE", "constant")) == "linear"
 BETA = args.beta if args.beta is not None else cfg.get("BETA", 0.0)
 KL_RATIO = (args.kl_ratio or ("yes" if cfg.get("KL_IS_CORRECTION", True) else "no")) == "yes"
@@ -95,6 +103,7 @@ decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in
 no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n.lower()]
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
                         lr=LR, betas=BETAS, eps=EPS, fused=True)
+probe = parity.Probe(model)  # parity: a slice of the weights around each optimizer step (the optimizer, identified)
 
 
 def pad(seqs, value, left):
@@ -163,6 +172,8 @@ for step in range(STEPS):
     prompt_ids, prompt_mask = (t.to(DEVICE) for t in pad(batch["prompt_ids"], tok.pad_token_id, left=True))
     completion_ids, completion_mask = (t.to(DEVICE) for t in pad(batch["completion_ids"], tok.pad_token_id, left=False))
     loss_mask = completion_mask.clone()
+    if args.mask_token_id is not None:  # the mask from token ids: a generated token with that id drops out too
+        loss_mask = loss_mask * (completion_ids != args.mask_token_id).long()
     if args.no_eos_in_loss:  # a completion's last token, when it is an eos, does not count
         for i, ids in enumerate(batch["completion_ids"]):
             if ids and ids[-1] in eos:
@@ -173,7 +184,7 @@ for step in range(STEPS):
     for group in opt.param_groups:
         group["lr"] = lr
     step_loss, kls, kl_sum = 0.0, [], 0.0
-    seen_logp, seen_loss = [], []  # per micro-batch, in order: the round's rows for the tensor diff
+    seen_logp, seen_loss, seen_ref = [], [], []  # per micro-batch, in order: the round's rows for the tensor diff
     micro = [slice(s, s + n // ACCUM) for s in range(0, n, n // ACCUM)]
     inputs = [(torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1),
                torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)) for mb in micro]
@@ -196,6 +207,7 @@ for step in range(STEPS):
         if ref is not None:
             with torch.no_grad():
                 ref_logp = token_logp(ref, ids, attention, completion_ids[mb], P)
+            seen_ref.append(ref_logp)
             kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3
             if KL_RATIO:
                 kl = kl * ratio
@@ -203,17 +215,24 @@ for step in range(STEPS):
             kls.append(((kl.detach() * mask).sum() / mask.sum().clamp(min=1)).item())
             kl_sum += (kl.detach() * mask).sum().item()
         seen_loss.append(per_token.detach())
-        if args.loss_agg == "seq":
+        if args.loss_divisor:
+            loss = (per_token * mask).sum() / args.loss_divisor
+        elif args.loss_agg == "seq":
             loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / ACCUM
         else:
             loss = (per_token * mask).sum() / all_tokens
         loss.backward()
         step_loss += loss.item()
+    if not (args.no_tensors or args.no_probe):
+        probe.before(step + 1)  # parity: the gradient before clipping, and the weights
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM if MAX_GRAD_NORM > 0 else math.inf)
     if not args.no_tensors:  # parity: the first steps' tensors, for the harness's tensor diff (optional)
-        parity.tensors(step + 1, rewards=rewards, advantages=adv, mask=loss_mask, logps=torch.cat(seen_logp),
-                       per_token_loss=torch.cat(seen_loss), loss=step_loss, grad_norm=grad_norm)
+        parity.tensors(step + 1, rewards=rewards, advantages=adv, mask=loss_mask, logps=seen_logp,
+                       old_logps=old_logps if MU > 1 else None,
+                       ref_logps=seen_ref or None, per_token_loss=seen_loss, loss=step_loss, grad_norm=grad_norm)
     opt.step()
+    if not (args.no_tensors or args.no_probe):
+        probe.after(step + 1)  # parity: the weights after the step
     opt.zero_grad(set_to_none=True)
 
     lengths = completion_mask.sum(1).float()

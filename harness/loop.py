@@ -82,7 +82,9 @@ def rollout(round_idx: int) -> dict | None:
     if rounds is None:
         return None
     if not 0 <= round_idx < len(rounds):
-        raise IndexError(f"lockstep rollouts hold rounds 0..{len(rounds) - 1}; round {round_idx} was asked for")
+        raise IndexError(f"lockstep rollouts hold rounds 0..{len(rounds) - 1}; round {round_idx} was asked for: a loop "
+                         "that reads more rounds than the spec's steps take sets [loop] rounds = N in the spec (or "
+                         f"--set loop.rounds=N), N at least {round_idx + 1}")
     return rounds[round_idx]
 
 

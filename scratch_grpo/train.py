@@ -57,7 +57,7 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
 
 
 def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False, stop_when=None,
-          tensor_steps: int = 0, warm=None):
+          tensor_steps: int = 0, warm=None, record_rounds: int = 0):
     """Train per `spec`, writing the metric log and manifest to `out_dir`. Returns the run folder.
 
     `rollout_source`, when given, supplies completions instead of the loop's own sampling (lockstep
@@ -72,6 +72,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     for the tensor diff against a loop of yours.
     `warm`: a `harness.experiment.models.Warm` that keeps the loaded model across runs of one process (each run
     starts from the checkpoint's weights, restored in place): the explanation search's candidates.
+    `record_rounds`: rounds the `rollout_source` is asked for in all: those past the run's own are sampled after the
+    last step from the final weights (a loop of yours that reads more rounds than the spec's steps take).
     """
     from harness.runlog.tensors import TENSORS_FILE, write_row
     from harness.experiment.data import hash_prompt_ids, load_rows, prompt_schedule, to_prompt_rows
@@ -113,7 +115,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     G, P, GA, mu = spec.GROUP_SIZE, spec.PROMPTS_PER_STEP, spec.GRAD_ACCUM, spec.NUM_ITERATIONS
     S = spec.STEPS_PER_GENERATION  # optimizer steps per generation round (each on its own slice of the round)
     rounds = spec.rounds  # one generation round feeds S x mu optimizer steps
-    schedule = prompt_schedule(len(rows), rounds, P * S, spec.SEED)
+    # (a longer schedule begins with the same rounds: laid end to end from the same seeded permutations)
+    schedule = prompt_schedule(len(rows), max(rounds, record_rounds), P * S, spec.SEED)
     reward_names = list(spec.rewards.functions)
     reward_fns = reward_functions(spec)  # built-in, or the user's own: the objects TRL's side calls too
     # the rewards, their group statistics and the advantages live on the training device, as TRL's do: a group whose
@@ -129,8 +132,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         decoder = static_decoder_for(spec, model, eos_ids, pad_id, device)
 
     # ---- optimizer: AdamW, no decay on biases and norms (as transformers' Trainer), LR schedule ----------
-    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n.lower())]
-    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n.lower()]
+    skip = (lambda n: False) if spec.WEIGHT_DECAY_ALL else (lambda n: "bias" in n or "norm" in n.lower())  # a quirk
+    decay = [p for n, p in model.named_parameters() if not skip(n)]
+    no_decay = [p for n, p in model.named_parameters() if skip(n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
         lr=spec.LR, betas=(spec.ADAM_BETA1, spec.ADAM_BETA2), eps=spec.ADAM_EPS, fused=True)
@@ -241,7 +245,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
 
             # ---- 5. mu passes over the round, each S optimizer steps over GA shuffled micro-batches ------------
             g = torch.Generator().manual_seed(shuffle_seed(spec.SEED, r))
-            shuffled = torch.randperm(N, generator=g).view(S * GA, mb_size).to(device)
+            order = torch.randperm(N, generator=g) if spec.MICRO_BATCH_ORDER == "shuffled" else torch.arange(N)
+            shuffled = order.view(S * GA, mb_size).to(device)  # (a quirk: `rollout` cuts it in order)
             adv = advantages.to(device)
             for it, k in ((it, k) for it in range(mu) for k in range(S)):
                 if step >= spec.STEPS or stopped:
@@ -274,8 +279,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                         if not spec.KL_IN_REWARD:
                             per_token = per_token + spec.BETA * kl
                         stats["kl"] = core.masked_mean(kl.detach(), mask)
-                    loss = core.aggregate_loss(per_token, l_mask[mb].float(), "sum" if spec.LOSS_SUM else spec.LOSS_NORM,
+                    loss = core.aggregate_loss(per_token, l_mask[mb].float(),
+                                               "sum" if spec.LOSS_SUM or spec.LOSS_DIVISOR else spec.LOSS_NORM,
                                                GA, spec.MAX_TOKENS, step_tokens)
+                    if spec.LOSS_DIVISOR:  # a quirk: the step's sum over a constant of the loop's own
+                        loss = loss / spec.LOSS_DIVISOR
                     if capture:
                         seen_logps[mb.cpu()] = logp.detach().float().cpu()
                         seen_loss[mb.cpu()] = per_token.detach().float().cpu()
@@ -337,6 +345,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                     stopped = True
                     writer.update(stopped_at=step)
                 t0 = time.perf_counter()
+        if rollout_source is not None and record_rounds > rounds and not stopped:  # rounds only your loop reads
+            model.eval()
+            for r in range(rounds, record_rounds):
+                rollout_source(r, [prompt_tokens[i] for i in schedule[r] for _ in range(G)], model)
     bar.close()
     return writer.dir
 

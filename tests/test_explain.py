@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tomllib
 
 import pandas as pd
 import pytest
@@ -143,7 +144,8 @@ def test_a_loop_with_the_trl_tables_values_is_explained_relative_to_the_table(tm
     assert [d["field"] for d in found["differences"]] == ["ADAM_BETA2"], found["differences"]
     assert "no setting" not in found["evidence"], found["evidence"]
     table = (tmp_path / "your_loop_in_trl.toml").read_text()
-    assert table.split("[trl]\n", 1)[1] == "adam_beta2 = 0.999\n", table
+    assert tomllib.loads(table)["trl"] == {"adam_beta2": 0.999}, table
+    assert "# confirmed, by the search\nadam_beta2 = 0.999" in table, table
 
 
 def test_a_candidate_is_judged_by_agreement_first():
@@ -180,10 +182,32 @@ def test_a_loop_that_stops_short_is_told_the_steps_it_logged(tmp_path):
         train(spec, tmp_path / "run")
 
 
-def test_a_one_difference_loop_is_explained_from_its_tensors_alone(tmp_path):
-    """The loop saves its first steps' tensors (harness.loop.tensors): the diff names the advantages as the first
-    link that differs, recomputes them with the std epsilon that gives the loop's, and that one guess is confirmed
-    over every step: no candidate searched, no TRL re-run (a quirk). The report draws the chain."""
+def test_a_one_difference_loop_is_identified_from_its_own_tensors(tmp_path):
+    """The loop saves its first steps' tensors (harness.loop.tensors): its advantages, read against its own rewards,
+    are the group's Bessel std + an epsilon below the run's resolution, said as such, and 1e-8 (the commonest such
+    value) is confirmed over every step with one run: nothing searched, no TRL re-run (a quirk). With the identified
+    setting in place the tensor diff finds every link alike. The report lists the stages read."""
+    doc, found = explained(tmp_path, "--std-eps 1e-8")
+    adv = next(f for f in found["identified"] if f["stage"] == "advantages")
+    assert adv["step"] == 1 and adv["settings"] == {"STD_EPS": 1e-08} and "cannot tell" in adv["unsettled"][0], adv
+    assert "STD_EPS" not in adv["settles"]  # not settled: the search may still change it
+    assert found["status"] == "confirmed" and found["fix"]["scratch"] == {"STD_EPS": 1e-08}
+    assert found["differences"][0]["identified"]
+    assert found["tensor_diff"]["first"] is None, found["tensor_diff"]["first"]
+    assert found["cost"]["runs"] <= 3  # the tensors, the identified spec over every step
+    from reports.render import write_parity_report
+
+    html = write_parity_report(tmp_path).read_text()
+    assert "read from your tensors" in html and 'class="checks identified"' in html
+
+
+def test_a_one_difference_loop_is_explained_by_the_tensor_diff_without_its_tensors_read(tmp_path, monkeypatch):
+    """With the stages not read (identify finds nothing), the tensor diff names the advantages as the first link
+    that differs, recomputes them with the std epsilon that gives the loop's, and that one guess is confirmed over
+    every step: no candidate searched, no TRL re-run (a quirk). The report draws the chain."""
+    from harness.diagnose import identify
+
+    monkeypatch.setattr(identify, "identify", lambda *a, **k: [])
     doc, found = explained(tmp_path, "--std-eps 1e-8")
     diff = found["tensor_diff"]
     assert diff["first"]["tensor"] == "advantages" and diff["first"]["step"] == 1, diff["first"]
@@ -200,15 +224,25 @@ def test_a_one_difference_loop_is_explained_from_its_tensors_alone(tmp_path):
     assert '<span class="link first">advantages' in html and "by the tensor diff" in html
 
 
-def test_several_passes_over_a_round_are_explained_from_the_tensors_and_name_the_clip_bound(tmp_path):
+def test_several_passes_over_a_round_are_explained_from_the_tensors_and_name_the_clip_bound(tmp_path, monkeypatch):
     """NUM_ITERATIONS = 2 (GRPO's mu; tiny-grpo's epochs_per_step): every step trains on the whole round, so the
     tensor diff compares them (it was skipped for any NUM_ITERATIONS > 1, and the search alone then kept a std
     epsilon of 1e-3 on a partial match and ended 'suspected'), and the second pass moves the ratio off 1, so an upper
     clip bound of 0.2 against the spec's 0.28 acts from step 2 and is named as TRL's epsilon_high. The example itself
-    takes the two passes as TRL does (parity)."""
+    takes the two passes as TRL does (parity). Read from the loop's own tensors, the bound is the ratio its clipped
+    tokens' terms use at step 2 (its old log-probs saved); without the stages read, the search names it at step 2."""
+    from harness.diagnose import identify
+
     plain = run_matrix(loop_spec("", "NUM_ITERATIONS=2"), tmp_path / "plain", "none", **QUIET)
     assert plain["cells"][0]["verdict"] == "parity", plain["cells"][0]["first_divergence"]
-    doc, found = explained(tmp_path / "a", "--std-eps 1e-8 --no-eos-in-loss --clip-high 0.2", "NUM_ITERATIONS=2")
+    flags = "--std-eps 1e-8 --no-eos-in-loss --clip-high 0.2"
+    doc, found = explained(tmp_path / "read", flags, "NUM_ITERATIONS=2")
+    objective = next(f for f in found["identified"] if f["stage"] == "objective")
+    assert objective["step"] == 2 and objective["settings"] == {"CLIP_HIGH": 0.2}, objective
+    assert found["status"] == "confirmed" and found["fix"]["trl"] == {"epsilon_high": 0.2}, found["fix"]
+    assert found["fix"]["scratch"] == {"STD_EPS": 1e-08, "COMPLETION_MASK": "no_eos"}, found["fix"]
+    monkeypatch.setattr(identify, "identify", lambda *a, **k: [])
+    doc, found = explained(tmp_path / "a", flags, "NUM_ITERATIONS=2")
     assert found["tensor_diff"]["first"]["tensor"] == "advantages", found.get("tensor_diff")
     assert found["status"] == "confirmed", found["evidence"]
     assert found["fix"]["trl"] == {"epsilon_high": 0.2}, found["fix"]
@@ -520,7 +554,7 @@ def test_log_probs_parting_after_a_clean_step_are_checked_at_that_step(tmp_path)
     """Weight decay 0.1 leaves step 1's tensors alone and moves step 2's log-probs. Each candidate for the first
     update is checked at step 2, where it acts: at step 1 every candidate agrees, and the first of them (weight decay
     0.01) was taken as exact."""
-    doc, found = explained(tmp_path, "--weight-decay 0.1")
+    doc, found = explained(tmp_path, "--weight-decay 0.1 --no-probe")  # (with the probe: identified, below)
     first = found["tensor_diff"]["first"]
     assert (first["step"], first["tensor"]) == (2, "logps"), first
     assert first.get("exact") and first["candidates"] == [{"WEIGHT_DECAY": 0.1}], first

@@ -45,7 +45,7 @@ import shutil
 import time
 from pathlib import Path
 
-from harness.diagnose import float32, noise
+from harness.diagnose import float32, identify, noise
 from harness.diagnose.compare import is_derived, load_tolerances, steps_logged_words, tolerance_for
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.tensordiff import CLIP_NORMS, words as tensor_words
@@ -193,6 +193,11 @@ _WORDS = {
                                   "all": "counts the padding after short completions in the loss",
                                   "eos": "counts every completion token through the eos"}[v],
     "LOSS_SUM": lambda v: "sums the per-token losses without normalising",
+    "WEIGHT_DECAY_ALL": lambda v: ("decays norms and biases too (TRL leaves them out)" if v
+                                   else "leaves norms and biases out of the weight decay"),
+    "MICRO_BATCH_ORDER": lambda v: ("cuts each round into micro-batches in the rollout's order (TRL shuffles it "
+                                    "first)" if v == "rollout" else "shuffles each round before cutting it"),
+    "LOSS_DIVISOR": lambda v: f"divides the step's masked per-token losses' sum by {v:g} (no TRL loss_type)",
     "EMPTY_SKIP": lambda v: ("skips the backward of a micro-batch holding a completion with no loss token (an "
                              "unguarded 0/0 mean; TRL counts it as 0)" if v else "keeps such micro-batches"),
     "LOGP_OLD": lambda v: "takes the old log-probs from an extra forward pass (TRL: the detached current ones)",
@@ -684,10 +689,17 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     for n in notes:
         log(f"    {n}")
     search = Search(base, yours, records, root, envelope, log)
+    identified = _identify(spec, base, yours, yours_dir, records, log)
+    ident, settles = identify.settings_of(identified)
+    read = {**read, **ident}  # measured on your loop's own tensors: the search starts there and leaves them
+    search.settled |= set(settles)
+    notes += identify.words(identified)
     found = _tensor_diff(spec, search, read, yours_dir, records, log)
     if tensor_words(found):
         notes.insert(0, tensor_words(found))
-    guesses = (found or {}).get("guesses", [])
+    if (found or {}).get("skipped"):
+        notes.append("the tensor diff was skipped: " + found["skipped"])
+    guesses = [g for g in (found or {}).get("guesses", []) if not set(g) & set(settles)]
     exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
     state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     value_only = None
@@ -709,7 +721,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     trl = trl_fields(base, changes) if changes else {}
     quirks = {k: v for k, v in changes.items() if not trl_moves(base, {k: v})}
     differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
-                    "read_from_log": k in read, "from_tensors": k in from_tensors} for k, v in changes.items()]
+                    "read_from_log": k in read and k not in ident, "identified": k in ident,
+                    "from_tensors": k in from_tensors} for k, v in changes.items()]
     if "MAX_GRAD_NORM" in changes and state.agree >= search.steps:  # which other thresholds do as well?
         found_at = changes["MAX_GRAD_NORM"]
         alike = [v for v in CLIP_NORMS if v != found_at
@@ -722,6 +735,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
              "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
     if found:
         entry["tensor_diff"] = {**found, "words": tensor_words(found)}
+    if identified:
+        entry["identified"] = [f.to_dict() for f in identified]
     if escalated is not None:
         entry["precision"] = {"dtype": spec.DTYPE, "from": spec_dtype, **search.escalated_from}
     if state.agree < search.steps:
@@ -736,11 +751,17 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
             text += below_rounding_words(search.below_rounding, spec.DTYPE)
         else:
             text += "the difference is outside what TRL and the built-in loop's switches can be set to"
+        apart = [f.rule for f in identified if f.no_switch or not f.exact]
+        if apart:
+            text += "; read from your tensors, what no switch reproduces: " + "; ".join(apart)
         links = [c for c in (found or {}).get("chain", []) if c.get("independent") or c.get("only_yours")]
         if links:
             text += "; the tensor diff found, link by link: " + "; ".join(f"{c['tensor']}: {c['how']}" for c in links)
+        path, cell = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
+        if changes:  # every difference found, each marked by how it was found: the table to start from
+            _write_table(path, trl, quirks, cell, search.runs, "suspected", _found_how(differences))
         entry.update(status="suspected", evidence=text, fix={"trl": trl, "scratch": quirks, "sentence": text},
-                     runs=search.runs)
+                     runs=search.runs, **({"written": str(path)} if changes else {}))
         log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
         return [entry]
     # every step agrees on what training computes: the whole comparison, as the cell was judged
@@ -769,7 +790,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         sentence += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
     if confirmed_by_trl is False:
         sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
-    _write_table(path, trl, quirks, cell, search.runs, status)
+    _write_table(path, trl, quirks, cell, search.runs, status, _found_how(differences))
     entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
                  runs=search.runs, written=str(path), defined_differently=derived, matched_by=state.folder,
                  confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
@@ -880,6 +901,48 @@ def _loss_value_alone(search: Search, state: Trial) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
+def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
+    """Each stage of your loop read from its own tensors (identify.py): what the saved tensors allow, against the
+    built-in loop set up as TRL."""
+    from harness.diagnose.tensordiff import chain_facts
+    from harness.runlog.tensors import TENSORS_FILE, read_tensors
+
+    mine = read_tensors(yours_dir / TENSORS_FILE)
+    if not mine:
+        return []
+    facts = chain_facts(base, records)
+    norms = {int(s): float(v) for s, v in yours["grad_norm"].dropna().items()} if "grad_norm" in yours.columns else {}
+    try:
+        found = identify.identify(mine, records, base, facts["eos_ids"], facts.get("pad_id"), norms)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:  # tensors of another shape
+        log(f"    identify: your tensors could not be read stage by stage ({type(e).__name__}: {str(e)[:120]})")
+        return []
+    for f in found:
+        if not f.same_as_spec or f.unsettled:
+            log(f"    identify: {f.stage}: {f.rule}" + (f" -> {f.settings}" if f.settings else "")
+                + ("" if f.exact else " (no rule fits all)"))
+    return found
+
+
+def rows_problem(mine: dict[int, dict], records: list[dict], per_round: int) -> str | None:
+    """Why your saved tensors cannot be compared row by row with a round's (the tensor diff's unit), or None: a
+    per-completion or per-token tensor whose rows are not the round's completions (a step that trains on part of a
+    round, or a micro-batch saved alone)."""
+    from harness.runlog.tensors import PER_ROW, PER_TOKEN
+
+    for step in sorted(mine):
+        r = (step - 1) // max(per_round, 1)
+        if r >= len(records):
+            return f"step {step} has tensors but the recording holds {len(records)} round(s)"
+        n = len(records[r]["completion_ids"])
+        for name in (*PER_ROW, *PER_TOKEN):
+            value = mine[step].get(name)
+            if isinstance(value, list) and len(value) != n:
+                return (f"your {name} at step {step} has {len(value)} rows where round {r} has {n} completions: the "
+                        "diff compares a whole round row by row (one row per completion, in the rollout's order)")
+    return None
+
+
 def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:
     """The tensor diff, where your loop saved tensors (harness.loop.tensors): the built-in loop, set up as TRL, saves
     the same steps' tensors on the same rollouts, and the first link of the chain that differs is named."""
@@ -890,6 +953,10 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
     mine = read_tensors(yours_dir / TENSORS_FILE)
     if not mine or spec.loop.tensor_steps < 1:
         return None
+    problem = rows_problem(mine, records, spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION)
+    if problem:
+        log(f"    (the tensor diff is skipped: {problem})")
+        return {"first": None, "chain": [], "skipped": problem}
     # a step trains on a slice of its round when STEPS_PER_GENERATION > 1: rows would not align. NUM_ITERATIONS passes
     # each train on the whole round (one row per completion, as the diff reads them): those steps are compared
     if spec.STEPS_PER_GENERATION > 1:
@@ -1044,17 +1111,36 @@ def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
     return ", ".join(parts) if parts else "your loop is TRL as the spec sets it up"
 
 
-def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, status: str) -> None:
+def _found_how(differences: list[dict]) -> dict:
+    """How each difference was found, by spec field and by the TRL fields it moves: read from your tensors, read
+    from your log, by the tensor diff, or by the search."""
+    out = {}
+    for d in differences:
+        how = ("read from your tensors" if d.get("identified") else "read from your log" if d.get("read_from_log")
+               else "by the tensor diff" if d.get("from_tensors") else "by the search")
+        out[d["field"]] = how
+        out.update({k: how for k in d.get("trl") or {}})
+    return out
+
+
+def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, status: str, how: dict | None = None) -> None:
+    """The [trl] table (and the quirks as comments), each line marked by how it was found and whether the whole
+    was confirmed (the built-in loop, and TRL where no quirk is left, with all of it reproduce your loop at every
+    step) or is suspected (the closest the search came: each line is still what was found, the whole is not shown)."""
     what = ("does what your loop does" if not quirks else "does what your loop does but for the quirks below, which "
             "TRL cannot set") if status == "confirmed" else ("comes closest to your loop (suspected, not confirmed: "
                                                              "see the verdict)")
+    mark = "confirmed" if status == "confirmed" else "suspected"
     lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields added to the spec's own [trl] table (a field it "
              f"sets already takes the value here) {what}",
              f"# on the same rollouts (cell {cell}, {runs} runs of the search).",
-             "[trl]"] + [f"{k} = {toml_value(v)}" for k, v in trl.items()]
+             "[trl]"]
+    for k, v in trl.items():  # each with how it was found, on the line above it
+        lines += [f"# {mark}, {(how or {}).get(k, 'by the search')}", f"{k} = {toml_value(v)}"]
     if quirks:
         lines += ["", "# What TRL has no setting for; the built-in loop reproduces it with these spec fields:"]
-        lines += [f"# {k} = {toml_value(v)}    ({words(k, v)})" for k, v in quirks.items()]
+        lines += [f"# {k} = {toml_value(v)}    ({words(k, v)}; {mark}, {(how or {}).get(k, 'by the search')})"
+                  for k, v in quirks.items()]
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 

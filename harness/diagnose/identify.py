@@ -353,29 +353,41 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
     values = {"sequence": float(np.mean(sums / np.maximum(counts, 1.0))),
               "token_global": total / max(float(counts.sum()), 1.0),
               "constant": total / max(n * max_tokens, 1), "sum": total}
+    if grad_accum > 1 and n % grad_accum == 0:  # a mean per micro-batch, micro-batches cut in the rollout's order
+        k = n // grad_accum
+        values["token_local_in_order"] = float(np.mean([sums[i:i + k].sum() / max(counts[i:i + k].sum(), 1.0)
+                                                        for i in range(0, n, k)]))
     names = {"sequence": "averages per completion, then over completions (TRL's grpo)",
              "token_global": "divides the masked sum by the step's loss tokens (TRL's dapo)",
              "constant": "divides the masked sum by completions x max_completion_length (TRL's dr_grpo)",
-             "sum": "sums the per-token losses without normalising"}
+             "sum": "sums the per-token losses without normalising",
+             "token_local": "divides each micro-batch's masked sum by its own loss tokens (TRL's bnpo)",
+             "token_local_in_order": "divides each micro-batch's masked sum by its own loss tokens, then averages over "
+                                     "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)"}
     close = lambda v: abs(v - loss) <= atol + rtol * abs(loss)  # noqa: E731
     hits = [(k, 1) for k, v in values.items() if close(v)]
-    hits += [(k, grad_accum) for k, v in values.items() if grad_accum > 1 and close(v / grad_accum)]
+    hits += [(k, grad_accum) for k, v in values.items() if grad_accum > 1 and close(v / grad_accum)
+             and k != "token_local_in_order"]
     spec_norm = ("sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")) if spec else None
-    distinct = len({round(v, 12) for v in values.values()}) == len(values)
+    if spec_norm == "token_local" and grad_accum == 1:  # one micro-batch: bnpo is dapo
+        spec_norm = "token_global"
     if hits:
         if spec_norm and any(k == spec_norm and f == 1 for k, f in hits):
+            alike = [k for k, _ in hits if k != spec_norm]
             return Finding("weighting", step, f"your loop {names[spec_norm]}, as the spec's loss type does", {}, True,
-                           same_as_spec=True, unsettled=() if distinct else ("at this step two loss types give the "
-                                                                             "same number",),
-                           settles=("LOSS_NORM", "LOSS_SUM") if distinct else ())
+                           same_as_spec=True, unsettled=(f"{', '.join(alike)} give the same number at this step",)
+                           if alike else (), settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"))
         k, f = hits[0]
         said = names[k] + (f", and what it logs is the mean of its {f} micro-batches' losses" if f > 1 else "")
-        settings = {"LOSS_SUM": True} if k == "sum" else {"LOSS_NORM": k}
+        settings = {"LOSS_SUM": True} if k == "sum" else {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout"} \
+            if k == "token_local_in_order" else {"LOSS_NORM": k}
+        if spec:
+            settings = {s: v for s, v in settings.items() if not _same(getattr(spec, s, None), v)}
         alike = [h for h, _ in hits[1:]]
         return Finding("weighting", step, "your loop " + said, settings, True,
                        unsettled=(f"{', '.join(alike)} give the same number at this step",) if alike else (),
                        evidence={"values": values, "logged_mean_of_micro_batches": f > 1},
-                       settles=() if alike else ("LOSS_NORM", "LOSS_SUM"))
+                       settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"))
     if abs(total) < 1e-3 * max(float(np.abs(sums).sum()), 1e-30) or loss == 0:
         return Finding("weighting", step, "cannot be read: the masked per-token losses sum to nearly 0 or the loss "
                        "is 0", {}, False)
@@ -386,10 +398,16 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
              "completions": n}
     named = next((f"{what} ({v:.0f})" + (f", times {f} micro-batches" if f > 1 else "")
                   for f in (1, grad_accum) for what, v in cands.items() if abs(d - f * v) <= 1e-3 * abs(d)), None)
-    rule = f"divides the masked per-token losses' sum by {d:.6g}" + (f": {named}" if named else
-                                                                      ": no count of its tokens or completions")
-    return Finding("weighting", step, "your loop " + rule, {}, bool(named), no_switch=True,
-                   evidence={"divisor": d, "tokens": float(counts.sum()), "completion_tokens": sum(lengths)})
+    ev = {"divisor": d, "tokens": float(counts.sum()), "completion_tokens": sum(lengths)}
+    if named:  # a count that changes from step to step: no switch of the built-in loop divides by it
+        return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by {d:.6g}: {named}",
+                       {}, True, no_switch=True, evidence=ev)
+    d = float(f"{d:.5g}")
+    unsettled = (f"if what your loop logs is the mean of its {grad_accum} micro-batches' losses, it trains with a "
+                 f"divisor of {d / grad_accum:.5g}",) if grad_accum > 1 else ()
+    return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by a constant {d:g} (no "
+                   "count of its tokens or completions)", {"LOSS_DIVISOR": d}, True, unsettled=unsettled, evidence=ev,
+                   settles=("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,9 +465,13 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
             break
     settings, words = {}, []
     if out is None:
-        clip = _clip_bounds(ptl, ratio, a, ref is None)
+        clip = _clip_bounds(ptl, ratio, a, ref is None, clip_low, clip_high)
         if clip:
-            return clip
+            return dataclasses.replace(clip, step=step)
+        if old_logps is None:
+            return Finding("objective", step, "cannot be read: your per-token loss is not -A (+ a KL term) with the "
+                           "ratio taken as 1; where the ratio is not 1 (a second pass, old log-probs from another "
+                           "pass) the stage needs old_logps saved", {}, False)
         return Finding("objective", step, "your per-token loss is not -min(ratio A, clip(ratio) A) + beta KL (k1, k2 "
                        "or k3, with or without the ratio factor) nor -logp A with the same inputs", {}, False,
                        no_switch=True)
@@ -471,27 +493,35 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
             unsettled.append("the ratio is 1 at this step: TRL's factor of the policy ratio on the KL changes the "
                              "gradient only, which the tensors' values cannot show")
             settings.pop("KL_IS_CORRECTION", None)
+    elif ref is not None and np.any(np.abs(ref - lp) > 1e-6):
+        words.append("saves a per-token loss with no KL term in it, though it saves reference log-probs (a KL "
+                     "aggregated apart, or none)")
     elif ref is not None:
-        words.append("has no KL term")
+        unsettled.append("the reference model's log-probs equal the policy's at this step (it starts from them): a "
+                         "KL term is 0 in value here")
     moved = np.abs(ratio - 1.0) > 1e-6
     if not np.any(moved):
         unsettled.append("the ratio is exactly 1 at this step (one pass on the policy that generated): the clip bounds "
                          "cannot act")
+    elif form == "ratio":
+        unsettled += _unreached(ratio, a, clip_low, clip_high)
     if spec:
         spec_has = {"BETA": spec.BETA, "KL_ESTIMATOR": getattr(spec, "KL_ESTIMATOR", "k3"),
                     "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True)}
         settings = {k: v for k, v in settings.items() if not _same(spec_has.get(k), v)}
     rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
-    settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if ref is not None \
-        or not kl else ()
+    # a KL term can show in value (the reference apart from the policy), and one was found: a per-token loss saved
+    # without it (a KL aggregated apart, as verl's) says nothing of the weight
+    seen = ref is not None and np.any(np.abs(ref - lp) > 1e-6) and kl is not None
+    settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if seen else ()
     return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
                    unsettled=tuple(unsettled), settles=settles,
                    evidence={"form": form, **({"kl": kl} if kl else {})})
 
 
-def _clip_bounds(ptl, ratio, a, no_kl: bool) -> Finding | None:
+def _clip_bounds(ptl, ratio, a, no_kl: bool, clip_low: float, clip_high: float) -> Finding | None:
     """Without a KL term: the ratio each token's term used (-term / A) against the ratio itself; where they differ
-    the term was clipped, and the bound is the ratio used."""
+    the term was clipped, and the bound is the ratio used. A bound no token reached is bracketed, not named."""
     if not no_kl:
         return None
     ok = np.abs(a) > 1e-6
@@ -501,16 +531,33 @@ def _clip_bounds(ptl, ratio, a, no_kl: bool) -> Finding | None:
     if not np.any(clipped):
         return None
     hi, lo = used[clipped & (used > 1)], used[clipped & (used < 1)]
-    settings, words = {}, []
+    found, words = {}, []
     if len(hi) and np.ptp(hi) <= 1e-4:
-        settings["CLIP_HIGH"] = float(f"{hi.mean() - 1:.4g}")
-        words.append(f"clips the ratio above at 1 + {settings['CLIP_HIGH']:g}")
+        found["CLIP_HIGH"] = float(f"{hi.mean() - 1:.4g}")
+        words.append(f"clips the ratio above at 1 + {found['CLIP_HIGH']:g} ({len(hi)} token(s) clipped there)")
     if len(lo) and np.ptp(lo) <= 1e-4:
-        settings["CLIP_LOW"] = float(f"{1 - lo.mean():.4g}")
-        words.append(f"clips the ratio below at 1 - {settings['CLIP_LOW']:g}")
+        found["CLIP_LOW"] = float(f"{1 - lo.mean():.4g}")
+        words.append(f"clips the ratio below at 1 - {found['CLIP_LOW']:g} ({len(lo)} token(s) clipped there)")
     if not words:
         return None
-    return Finding("objective", None, "your loop " + "; ".join(words), settings, True)
+    return Finding("objective", None, "your loop " + "; ".join(words), {
+        k: v for k, v in found.items() if not _same(v, clip_high if k == "CLIP_HIGH" else clip_low)}, True,
+        unsettled=_unreached(r[~clipped], a[ok][~clipped], *(None if k in found else b for k, b in (
+            ("CLIP_LOW", clip_low), ("CLIP_HIGH", clip_high)))), settles=tuple(found))
+
+
+def _unreached(ratio, a, clip_low: float | None, clip_high: float | None) -> tuple:
+    """Where no token's ratio reached a bound (the upper one binds for A > 0, the lower for A < 0): what the run can
+    say of it is a bracket."""
+    out = []
+    up, down = ratio[a > 0], ratio[a < 0]
+    if clip_high is not None and len(up) and up.max() < 1 + clip_high:
+        out.append(f"no token's ratio reached the upper clip bound (the largest with A > 0: {up.max():.4g}): any "
+                   f"bound above {up.max() - 1:.3g} fits, the spec's {clip_high:g} among them")
+    if clip_low is not None and len(down) and down.min() > 1 - clip_low:
+        out.append(f"no token's ratio reached the lower clip bound (the smallest with A < 0: {down.min():.4g}): any "
+                   f"bound above {1 - down.min():.3g} fits, the spec's {clip_low:g} among them")
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,8 +588,11 @@ def _fit_updates(dirs, before, updates, decay, with_se: bool = False):
     and with `with_se` the standard error of each step's wd (the weights' own rounding makes the update's noise: a
     decay of lr x wd x p is a few ulps of p)."""
     lrs, wds, ses, res, tot = [], [], [], 0.0, 0.0
+    rest = ~decay
     for d, p, u in zip(dirs, before, updates):
-        x = np.stack([-d, -p * decay], axis=1) if decay.any() else -d[:, None]
+        # a decay of its own on the norms and biases too (a column of theirs): torch's AdamW on model.parameters()
+        cols = [-d] + ([-p * decay] if decay.any() else []) + ([-p * rest] if rest.any() else [])
+        x = np.stack(cols, axis=1)
         coef, *_ = np.linalg.lstsq(x, u, rcond=None)
         lr = float(coef[0])
         wd = float(coef[1] / lr) if decay.any() and lr else 0.0
@@ -554,6 +604,8 @@ def _fit_updates(dirs, before, updates, decay, with_se: bool = False):
         if with_se and decay.any() and lr:
             cov = np.linalg.pinv(x.T @ x) * rss / max(len(u) - x.shape[1], 1)
             ses.append(math.sqrt(max(float(cov[1, 1]), 0.0)) / abs(lr))
+            if rest.any():  # the norms' and biases' own decay, and its standard error
+                ses[-1] = (ses[-1], float(coef[-1] / lr), math.sqrt(max(float(cov[-1, -1]), 0.0)) / abs(lr))
     out = (lrs, wds, math.sqrt(res / max(tot, 1e-300)))
     return (*out, ses) if with_se else out
 
@@ -584,11 +636,12 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         return _fit_updates(dirs, before, updates, decay)
 
     best = None
-    for b1 in _BETA1:
-        for b2 in _BETA2:
-            res = score(b1, b2, 1e-8, math.inf)[2]
-            if best is None or res < best[0]:
-                best = (res, b1, b2, 1e-8, math.inf)
+    for clip in clips:  # every (beta1, beta2, threshold) on the grid: a wrong threshold skews the betas' fit
+        for b1 in _BETA1:
+            for b2 in _BETA2:
+                res = score(b1, b2, 1e-8, clip)[2]
+                if best is None or res < best[0]:
+                    best = (res, b1, b2, 1e-8, clip)
     _res, b1, b2, eps, clip = best
     for _ in range(2):  # coordinate refinement: clip, eps, then the betas on finer grids
         clip = min(clips, key=lambda c: score(b1, b2, eps, c)[2])
@@ -601,7 +654,8 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         b2 = 1 - b2
         b1 = min(_BETA1, key=lambda x: score(x, b2, eps, clip)[2])
     lrs, wds, res = score(b1, b2, eps, clip)
-    # what the run can tell: values whose residual stays within 1.5x the best (or a floor) are alike
+    # what the run can tell: values whose residual stays within 1.5x the best (or a floor) are alike; of those the
+    # round value the commonest first (the grids' order), else the fitted value
     floor = max(res * 1.5, 1e-6)
     alike_b2 = [x for x in _BETA2 if score(b1, x, eps, clip)[2] <= floor]
     b2 = alike_b2[0] if alike_b2 else float(f"{b2:.4g}")
@@ -632,6 +686,8 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         unsettled.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above "
                          "it)")
     ses = _fit_updates(_adam_dirs(grads, norms, b1, b2, eps, clip), before, updates, decay, with_se=True)[3]
+    rest_wd = [x[1:] for x in ses if isinstance(x, tuple)]
+    ses = [x[0] if isinstance(x, tuple) else x for x in ses]
     wd = float(np.mean(wds)) if decay.any() else 0.0
     wd_unc = 4 * (math.sqrt(sum(x * x for x in ses)) / len(ses) if ses else 0.0) + float(np.ptp(wds)) / 2
     wd = snap(wd, max(wd_unc, 1e-3 * abs(wd), 1e-6), (0.0, 0.01, 0.1, 0.001, 0.05, 0.02))
@@ -639,6 +695,14 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         unsettled.append(f"weight decay is known to about +-{wd_unc:.1g} only (at this learning rate a decay moves "
                          "weights by a few of their rounding steps)")
     settings["WEIGHT_DECAY"] = wd
+    if rest_wd and wd:  # the norms and biases decayed too, at the same rate?
+        w_rest = float(np.mean([w for w, _ in rest_wd]))
+        se_rest = 4 * math.sqrt(sum(s * s for _, s in rest_wd)) / len(rest_wd)
+        if abs(w_rest - wd) <= max(se_rest, 0.05 * wd) and abs(w_rest) > se_rest:
+            settings["WEIGHT_DECAY_ALL"] = True
+            words.append("on every parameter, norms and biases too (transformers' Trainer, so TRL, leaves them out)")
+        elif abs(w_rest) > se_rest:
+            unsettled.append(f"the norms and biases decay at {w_rest:.3g}, neither 0 nor the weights' {wd:g}")
     if wd:
         words.append(f"decoupled weight decay {wd:g}")
     if math.isinf(clip):
@@ -652,7 +716,7 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         settings["MAX_GRAD_NORM"] = float(f"{clip:.3g}")
         words.append(f"clipping the gradient norm at {clip:g}")
         below = [c for c in alike_clip if math.isfinite(c)]
-        if len(below) > 1:
+        if len(below) > 1 and max(below) > 1.01 * min(below):
             unsettled.append(f"max_grad_norm between {min(below):g} and {max(below):g} fits alike (Adam all but "
                              "cancels a clipped gradient's scale)")
     if spec:
@@ -662,7 +726,7 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     settles = ("LR", "LR_SCHEDULE", "ADAM_BETA1")
     settles += () if len(alike_b2) > 1 else ("ADAM_BETA2",)
     settles += () if len(alike_eps) > 1 else ("ADAM_EPS",)
-    settles += () if any(u.startswith("weight decay") for u in unsettled) else ("WEIGHT_DECAY",)
+    settles += () if any(u.startswith("weight decay") for u in unsettled) else ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL")
     settles += () if any("max_grad_norm" in u for u in unsettled) else ("MAX_GRAD_NORM",)
     if any(u.startswith("the learning rate per step") for u in unsettled):
         settles = tuple(k for k in settles if k != "LR_SCHEDULE")
@@ -738,6 +802,11 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
     if probes and all(isinstance(x, (int, float)) for x in norms):
         found["optimizer"].append(optimizer(probes, norms, spec, steps_total=spec.STEPS))
+    divisors = {f.settings.get("LOSS_DIVISOR") for f in found["weighting"]}
+    if len(divisors) > 1:  # a divisor that changes from step to step is no constant
+        seen = ", ".join(f"{x:g}" for x in sorted(x for x in divisors if x))
+        found["weighting"] = [dataclasses.replace(f, exact=False, settings={}, settles=(), no_switch=True, rule=(
+            f"{f.rule}; but the divisor is not the same at every step read ({seen})")) for f in found["weighting"]]
     out = []
     for stage in STAGES:
         cands = found[stage]

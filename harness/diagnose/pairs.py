@@ -71,7 +71,14 @@ def _content_key(fields: dict, code: str, spec, *extra) -> str:
 
 def scratch_key(spec) -> str:
     """Content hash of everything the scratch side's run depends on (its spec fields, its code, rewards, files)."""
-    return _content_key({k: v for k, v in spec.to_dict().items() if k not in SCRATCH_BLIND}, code_version(), spec)
+    fields = {k: v for k, v in spec.to_dict().items() if k not in SCRATCH_BLIND}
+    fields["recorded_rounds"] = recorded_rounds(spec)  # the recording grows with [loop] rounds
+    return _content_key(fields, code_version(), spec)
+
+
+def recorded_rounds(spec) -> int:
+    """Rounds the scratch side's recording holds: the spec's own, or more where your loop reads more ([loop] rounds)."""
+    return max(spec.rounds, spec.loop.rounds if spec.loop.command else 0)
 
 
 def pair_key(spec, mode: str) -> str:
@@ -289,7 +296,8 @@ def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | Non
     else:
         # the recorder: the scratch loop samples each round from its own weights (also when it is not compared)
         source = RecordingSource(spec, eos, tok.pad_token_id, device, out_dir / ROLLOUTS_FILE)
-        train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress)
+        train_scratch(spec, out_dir / "scratch", rollout_source=source, progress=progress,
+                      record_rounds=recorded_rounds(spec))
         source.release()
         records = source.records
         if store is not None:  # kept now: a cut in its twin or in the other side leaves it to --resume

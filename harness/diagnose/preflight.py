@@ -86,6 +86,13 @@ QUIRKS = {
         True: "puts the KL penalty in the reward; TRL adds it to the loss and has no option to move it"}),
     "STD_EPS_INSIDE": (False, "std epsilon inside the square root", {
         True: "divides by sqrt(var + eps); TRL divides by std + eps and has no option for the other"}),
+    "MICRO_BATCH_ORDER": ("shuffled", "micro-batches cut from", {
+        "rollout": "cuts each round into micro-batches in the rollout's order; TRL shuffles the round first and has no "
+                   "option not to"}),
+    "WEIGHT_DECAY_ALL": (False, "weight decay on norms and biases", {
+        True: "decays norms and biases too; TRL (transformers' Trainer) leaves them out and has no option not to"}),
+    "LOSS_DIVISOR": (0.0, "loss's constant divisor", {
+        "*": "divides the step's masked per-token losses' sum by a constant; no TRL loss_type does that"}),
     "LOSS_SUM": (False, "loss summed, not averaged", {
         True: "sums the per-token losses without normalising; no TRL loss_type does that"}),
     "REWARD_CLIP": (0.0, "reward clipped to +-", {

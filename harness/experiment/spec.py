@@ -138,6 +138,11 @@ class LoopSpec:
                            "your loop may save with harness.loop.tensors(...) (PARITY_TENSORS) and the built-in loop "
                            "saves beside them: the tensor diff names the first one that differs (0 = none). Step 1 "
                            "shows the loss's shape, step 2 what acts through the first update.", min=0, max=64)
+    rounds: int = _f(0, "Generation rounds the harness records for your loop (lockstep; 0 = the spec's own, "
+                     "STEPS / (NUM_ITERATIONS x STEPS_PER_GENERATION)). A loop that takes completions at its own pace "
+                     "(part of a round per step, several rounds per step) sets how many it reads; the rounds past "
+                     "the spec's own are sampled after the built-in loop's last step, from its final weights.",
+                     min=0, max=100000)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,6 +234,13 @@ class Spec:
     STD_EPS_INSIDE: bool = _f(False, "Scale advantages by sqrt(var + STD_EPS) instead of std + STD_EPS (TRL).")
     LOSS_SUM: bool = _f(False, "Sum the per-token losses with no normalisation at all (overrides LOSS_NORM; TRL has "
                         "no such loss_type).")
+    MICRO_BATCH_ORDER: str = _f("shuffled", "How a round is cut into micro-batches: `shuffled` (TRL: a seeded "
+                                "permutation first) or `rollout` (in the rollout's order, as loops that slice their "
+                                "batch do; it changes the numbers with a per-micro-batch loss, TRL's bnpo).",
+                                choices=("shuffled", "rollout"))
+    LOSS_DIVISOR: float = _f(0.0, "Divide the step's masked per-token losses' sum by this constant (0 = off; overrides "
+                             "LOSS_NORM; TRL has no such loss_type): a divisor of a hand-written loop's own, as the "
+                             "explanation reads it from your loop's tensors.", min=0.0)
     REWARD_CLIP: float = _f(0.0, "Clip the summed reward to [-REWARD_CLIP, REWARD_CLIP] before the advantages "
                             "(0 = off, as TRL).", min=0.0)
     # --- importance-sampling correction (only with an external sampler) ---
@@ -247,6 +259,9 @@ class Spec:
     ADAM_BETA2: float = _f(0.999, "AdamW beta2 (the lesson: 0.98).", min=0.0, max=1.0)
     ADAM_EPS: float = _f(1e-8, "AdamW epsilon.", min=0.0, min_exclusive=True)
     WEIGHT_DECAY: float = _f(0.0, "AdamW decoupled weight decay.", min=0.0)
+    WEIGHT_DECAY_ALL: bool = _f(False, "Decay every parameter, norms and biases too (torch's AdamW on "
+                                "model.parameters(), verl's); TRL (transformers' Trainer) leaves biases and norm "
+                                "weights out.")
     MAX_GRAD_NORM: float = _f(1.0, "Clip the gradient's global L2 norm (0 = no clipping). The logged grad_norm is "
                               "before clipping, as TRL logs it.", min=0.0)
     # --- numerics and device ---
