@@ -23,6 +23,11 @@ Its choices are flags, so you can see what the harness says when they differ fro
                              generated token ID drops out of the loss
     --loss-divisor D         the loss is the masked per-token losses' sum divided by D (a fixed constant)
     --max-grad-norm M        its own gradient clipping threshold (0: none)
+  Which completions a step trains on (the loop then says so with parity.trained, and reads lockstep rounds at its own
+  pace; TRL trains each step on one whole round):
+    --skip-flat-groups       leave out the groups whose rewards are all equal (DAPO's dynamic sampling)
+    --round-parts K          train on each round over K steps, its groups a part at a time, in order
+    --rounds-per-step R      train each step on R rounds at once (set [loop] rounds = R x STEPS in the spec)
 The spec's NUM_ITERATIONS > 1 takes that many optimizer steps over each round, logp_old from a no-grad pass.
 Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
@@ -56,6 +61,9 @@ p.add_argument("--pg-loss", choices=("ratio", "logp"), default="ratio")
 p.add_argument("--mask-token-id", type=int)
 p.add_argument("--loss-divisor", type=float)
 p.add_argument("--max-grad-norm", type=float)
+p.add_argument("--skip-flat-groups", action="store_true")
+p.add_argument("--round-parts", type=int, default=1)
+p.add_argument("--rounds-per-step", type=int, default=1)
 p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
 p.add_argument("--no-probe", action="store_true", help="save the tensors, but no slice of the weights (the optimizer)")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
@@ -80,6 +88,9 @@ MU = cfg.get("NUM_ITERATIONS", 1)  # optimizer steps (passes) over each generati
 if cfg.get("STEPS_PER_GENERATION", 1) != 1:
     raise SystemExit("this example trains every optimizer step on a whole generation round: STEPS_PER_GENERATION "
                      "must be 1")
+SELECT = args.skip_flat_groups or args.round_parts > 1 or args.rounds_per_step > 1
+if SELECT and MU > 1:
+    raise SystemExit("--skip-flat-groups, --round-parts and --rounds-per-step train one pass: NUM_ITERATIONS must be 1")
 if args.pg_loss == "logp" and MU > 1:
     raise SystemExit("--pg-loss logp is the policy gradient with one pass per round: NUM_ITERATIONS must be 1")
 
@@ -150,23 +161,72 @@ def token_logp(net, ids, attention, targets, P):
     return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-for step in range(STEPS):
-    r, it = divmod(step, MU)  # round r, pass `it` over it (NUM_ITERATIONS passes)
-    # ---- 1. a round of completions: the harness's (lockstep) or our own ------------------------------------
-    if it == 0:  # later passes train on the same round
-        model.eval()
-        batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
-        model.train()
+def scored(batch):
+    """A round's rewards (the reward functions' scores, weighted) and advantages: centred per group of G
+    completions, scaled by the group's std."""
     per_func = torch.tensor([[math.nan if v is None else v for v in vals] for vals in batch["rewards"].values()])
     weights = args.reward_weights or batch["reward_weights"]
     rewards = (per_func.T * torch.tensor(weights)).nansum(dim=1)  # a failed score counts 0
-
-    # ---- 2. advantages: centred per group of G completions, scaled by the group's std ------------------------
     grouped = rewards.view(-1, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
     if args.adv_scale == "std":
         adv = adv / (grouped.std(dim=1, keepdim=True, unbiased=args.std == "bessel") + args.std_eps)
-    adv = adv.reshape(-1).to(DEVICE)
+    return rewards, adv.reshape(-1)
+
+
+taken = {}  # round -> (its batch, rewards, advantages, old log-probs per completion, the step it came in)
+
+
+def take(r, step):
+    """Round r when the loop first reads it: scored, and its log-probs under the policy of that moment (the old
+    policy of any later step that trains on it)."""
+    if r not in taken:
+        model.eval()
+        batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
+        rewards, adv = scored(batch)
+        ids, mask = pad(batch["prompt_ids"], tok.pad_token_id, left=True)
+        c_ids, c_mask = pad(batch["completion_ids"], tok.pad_token_id, left=False)
+        with torch.no_grad():
+            old = token_logp(model, torch.cat([ids, c_ids], 1).to(DEVICE), torch.cat([mask, c_mask], 1).to(DEVICE),
+                             c_ids.to(DEVICE), ids.size(1))
+        model.train()
+        taken[r] = (batch, rewards, adv, [row[:len(c)] for row, c in zip(old, batch["completion_ids"])], step)
+    return taken[r]
+
+
+def picks_of(step):
+    """The (round, index) pairs this step trains on, by the selection flags."""
+    if args.rounds_per_step > 1:
+        k = args.rounds_per_step
+        return [(step * k + j, i) for j in range(k) for i in range(PROMPTS * G)]
+    if args.round_parts > 1:
+        r, part = divmod(step, args.round_parts)
+        width = PROMPTS * G // args.round_parts
+        return [(r, i) for i in range(part * width, (part + 1) * width)]
+    return [(step, i) for i in range(PROMPTS * G)]
+
+
+for step in range(STEPS):
+    r, it = divmod(step, MU)  # round r, pass `it` over it (NUM_ITERATIONS passes)
+    # ---- 1-2. completions, rewards and advantages: a round (the harness's in lockstep, or our own) ------------
+    if not SELECT and it == 0:  # later passes train on the same round
+        model.eval()
+        batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
+        model.train()
+        rewards, adv = scored(batch)
+    elif SELECT:  # the rows the flags choose, from the rounds they come from
+        picks = picks_of(step)
+        if args.skip_flat_groups:
+            picks = [(q, i) for q, i in picks if take(q, step)[1].view(-1, G)[i // G].std() > 0]
+        parity.trained(step + 1, picks)  # parity: the completions this step trains on
+        rows = [(take(q, step), i) for q, i in picks]
+        batch = {"prompt_ids": [t[0]["prompt_ids"][i] for t, i in rows],
+                 "completion_ids": [t[0]["completion_ids"][i] for t, i in rows]}
+        rewards, adv = torch.stack([t[1][i] for t, i in rows]), torch.stack([t[2][i] for t, i in rows])
+        fresh = torch.tensor([t[4] == step for t, _ in rows])  # read this step: its old policy is the current one
+        width = max(map(len, batch["completion_ids"]))
+        kept_old = torch.stack([torch.nn.functional.pad(t[3][i], (0, width - len(t[3][i]))) for t, i in rows])
+    adv = adv.to(DEVICE)
 
     # ---- 3. the clipped surrogate over ACCUM micro-batches, one optimizer step -------------------------------
     prompt_ids, prompt_mask = (t.to(DEVICE) for t in pad(batch["prompt_ids"], tok.pad_token_id, left=True))
@@ -186,6 +246,9 @@ for step in range(STEPS):
     step_loss, kls, kl_sum = 0.0, [], 0.0
     seen_logp, seen_loss, seen_ref = [], [], []  # per micro-batch, in order: the round's rows for the tensor diff
     micro = [slice(s, s + n // ACCUM) for s in range(0, n, n // ACCUM)]
+    if SELECT:  # a selection's size may not divide: ACCUM parts, the first ones one larger
+        bounds = [0, *(int(c[-1]) + 1 for c in torch.arange(n).tensor_split(min(ACCUM, n)))]
+        micro = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
     inputs = [(torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1),
                torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)) for mb in micro]
     if it == 0 and MU > 1:  # several passes: the old policy is the one that generated, from a no-grad pass
@@ -196,6 +259,8 @@ for step in range(STEPS):
     for j, (mb, (ids, attention)) in enumerate(zip(micro, inputs)):
         logp = token_logp(model, ids, attention, completion_ids[mb], P)
         old = old_logps[j] if MU > 1 else logp.detach()  # one pass per round: the old policy is the current one
+        if SELECT:  # rows of a round read at an earlier step: the policy that read it
+            old = torch.where(fresh[mb].unsqueeze(1).to(DEVICE), logp.detach(), kept_old[mb].to(DEVICE))
         ratio = torch.exp(logp - old)
         a = adv[mb].unsqueeze(1)
         if args.pg_loss == "logp":  # REINFORCE's form (nano-aha-moment's): TRL's gradient at ratio 1, not its value

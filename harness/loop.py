@@ -10,6 +10,8 @@ The harness runs your loop's command with these environment variables (docs/your
     PARITY_WEIGHTS_OUT  optional: `save_pretrained` your final weights here, and the report shows the distance
     PARITY_TENSORS      optional: `tensors(step, advantages=..., logps=..., ...)` appends the first steps' tensors
                         here, and the harness names the first one that differs from the built-in loop's (as TRL)
+    PARITY_TRAINED      optional: `trained(step, rows)` appends which completions each optimizer step trained on, for a
+                        loop that does not train each step on one whole round
 
 A typical loop changes in about ten lines:
 
@@ -34,7 +36,7 @@ import os
 from functools import lru_cache
 
 ENV = ("PARITY_INIT", "PARITY_SPEC", "PARITY_ROLLOUTS", "PARITY_SEED", "PARITY_METRICS", "PARITY_WEIGHTS_OUT",
-       "PARITY_TENSORS")
+       "PARITY_TENSORS", "PARITY_TRAINED")
 
 
 def active() -> bool:
@@ -188,6 +190,22 @@ def _values(p, idx: list[int]) -> list[float]:
     if hasattr(flat, "cpu"):
         flat = flat.cpu()
     return [float(x) for x in flat.tolist()]
+
+
+def trained(step: int, rows) -> None:
+    """The completions optimizer step `step` trained on, as (round, index) pairs: `round` as in rollout(round), `index`
+    the completion's place in that round (prompts repeated GROUP_SIZE times in a row), in the order your micro-batches
+    took them. Needed only where a step does not train on exactly one whole round (part of a round, several rounds,
+    groups skipped, a replay buffer): the harness's built-in loop then replays the same selection, and the tensors you
+    save for that step (`tensors`) are read in this order, one row per pair. A no-op outside the harness."""
+    path = os.environ.get("PARITY_TRAINED")
+    if not path:
+        return
+    from harness.runlog.tensors import write_trained
+
+    if int(step) < 1:
+        raise ValueError(f"harness.loop.trained: step {step}: steps count optimizer steps from 1, as log_step's do")
+    write_trained(path, step, rows)
 
 
 def weights_out() -> str | None:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.runlog.tensors import TENSORS_FILE  # what harness.loop.tensors writes (PARITY_TENSORS)
+from harness.runlog.tensors import TENSORS_FILE, TRAINED_FILE  # harness.loop.tensors / .trained write them
 
 RAW_METRICS = "loop_metrics.jsonl"
 WEIGHTS_DIR = "weights"
@@ -110,8 +110,10 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
     env = {**os.environ, "PARITY_INIT": str(ckpt), "PARITY_SPEC": str((out_dir / "spec.json").resolve()),
            "PARITY_SEED": str(spec.SEED), "PARITY_METRICS": str(raw_path.resolve()),
            "PARITY_WEIGHTS_OUT": str(weights.resolve()),
-           "PARITY_TENSORS": str((out_dir / TENSORS_FILE).resolve())}
+           "PARITY_TENSORS": str((out_dir / TENSORS_FILE).resolve()),
+           "PARITY_TRAINED": str((out_dir / TRAINED_FILE).resolve())}
     (out_dir / TENSORS_FILE).unlink(missing_ok=True)  # an earlier run's tensors must not pass for this run's
+    (out_dir / TRAINED_FILE).unlink(missing_ok=True)
     env.pop("PARITY_ROLLOUTS", None)
     # `python` in the command is the interpreter the harness runs under (its venv), found first on PATH
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -147,6 +149,7 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
             raise LoopError(f"your loop exited with status {rc}: {_tail(out_dir / STDERR) or '(no stderr)'} "
                             f"(full output: {out_dir / STDERR})")
         rows = read_loop_metrics(raw_path, spec.loop.metrics)
+        _check_trained(out_dir / TRAINED_FILE, rollouts)
         if rows[-1]["step"] < spec.STEPS:  # fewer steps than the spec: compared as far as it went, it would pass
             from harness.runlog.log import step_ranges
 
@@ -166,6 +169,27 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
         if progress:
             log(f"yours: {len(rows)} steps in {time.perf_counter() - t0:.1f} s")
     return out_dir
+
+
+def _check_trained(path: Path, rollouts) -> None:
+    """Your loop's trained.jsonl (harness.loop.trained), where it wrote one: readable, and every (round, index) a
+    completion of the rollouts it was given. LoopError naming the first that is not."""
+    from harness.runlog.tensors import read_trained
+
+    try:
+        selection = read_trained(path)
+    except ValueError as e:
+        raise LoopError(f"harness.loop.trained wrote a bad line: {e}") from None
+    if not selection or rollouts is None:
+        return
+    sizes = [len(json.loads(line).get("completion_ids") or []) for line in Path(rollouts).read_text().splitlines()
+             if line.strip()]
+    for step, pairs in sorted(selection.items()):
+        for r, i in pairs:
+            if r >= len(sizes) or i >= sizes[r]:
+                raise LoopError(f"{path.name}: step {step} names round {r}, completion {i}, which the rollouts do not "
+                                f"hold ({len(sizes)} rounds of {sizes[0] if sizes else 0} completions): pairs are "
+                                "(round, index within that round), both from 0")
 
 
 def final_weights_distance(yours: Path, other: Path, seed: int) -> tuple[int, float] | None:

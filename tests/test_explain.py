@@ -198,7 +198,7 @@ def test_a_one_difference_loop_is_identified_from_its_own_tensors(tmp_path):
     from reports.render import write_parity_report
 
     html = write_parity_report(tmp_path).read_text()
-    assert "read from your tensors" in html and 'class="checks identified"' in html
+    assert "read from what your loop saved" in html and 'class="checks identified"' in html
 
 
 def test_a_one_difference_loop_is_explained_by_the_tensor_diff_without_its_tensors_read(tmp_path, monkeypatch):

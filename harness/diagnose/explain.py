@@ -195,6 +195,7 @@ _WORDS = {
     "LOSS_SUM": lambda v: "sums the per-token losses without normalising",
     "WEIGHT_DECAY_ALL": lambda v: ("decays norms and biases too (TRL leaves them out)" if v
                                    else "leaves norms and biases out of the weight decay"),
+    "SELECTION": lambda v: f"trains each step on the completions it chose ({Path(v).name}; TRL: its share of one round)",
     "MICRO_BATCH_ORDER": lambda v: ("cuts each round into micro-batches in the rollout's order (TRL shuffles it "
                                     "first)" if v == "rollout" else "shuffles each round before cutting it"),
     "LOSS_DIVISOR": lambda v: f"divides the step's masked per-token losses' sum by {v:g} (no TRL loss_type)",
@@ -695,8 +696,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     search.settled |= set(settles)
     notes += identify.words(identified)
     found = _tensor_diff(spec, search, read, yours_dir, records, log)
-    if tensor_words(found):
-        notes.insert(0, tensor_words(found))
+    first = ((found or {}).get("first") or {}).get("tensor")
+    if tensor_words(found) and not any(f.exact and f.stage == _STAGE_OF.get(first) for f in identified):
+        notes.insert(0, tensor_words(found))  # (a link the stages read exactly is said by them)
     if (found or {}).get("skipped"):
         notes.append("the tensor diff was skipped: " + found["skipped"])
     guesses = [g for g in (found or {}).get("guesses", []) if not set(g) & set(settles)]
@@ -904,16 +906,22 @@ def _loss_value_alone(search: Search, state: Trial) -> bool:
 def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
     """Each stage of your loop read from its own tensors (identify.py): what the saved tensors allow, against the
     built-in loop set up as TRL."""
-    from harness.diagnose.tensordiff import chain_facts
-    from harness.runlog.tensors import TENSORS_FILE, read_tensors
+    from harness.diagnose.tensordiff import chain_facts, round_scores
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
+    from harness.runlog.tensors import TENSORS_FILE, TRAINED_FILE, read_tensors, read_trained
 
     mine = read_tensors(yours_dir / TENSORS_FILE)
-    if not mine:
+    chosen = read_trained(yours_dir / TRAINED_FILE)
+    if not mine and not chosen:
         return []
     facts = chain_facts(base, records)
     norms = {int(s): float(v) for s, v in yours["grad_norm"].dropna().items()} if "grad_norm" in yours.columns else {}
+    weights = [float(w) for w in base.rewards.weights]
+    rewards = [[sum(w * (v if v is not None else float("nan")) for w, v in zip(weights, col)) for col in
+                zip(*scores.values())] for scores in round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE)] or None
     try:
-        found = identify.identify(mine, records, base, facts["eos_ids"], facts.get("pad_id"), norms)
+        found = identify.identify(mine, records, base, facts["eos_ids"], facts.get("pad_id"), norms, chosen,
+                                  str((yours_dir / TRAINED_FILE).resolve()) if chosen else "", rewards)
     except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:  # tensors of another shape
         log(f"    identify: your tensors could not be read stage by stage ({type(e).__name__}: {str(e)[:120]})")
         return []
@@ -922,6 +930,9 @@ def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
             log(f"    identify: {f.stage}: {f.rule}" + (f" -> {f.settings}" if f.settings else "")
                 + ("" if f.exact else " (no rule fits all)"))
     return found
+
+
+_STAGE_OF = {"advantages": "advantages", "mask": "mask", "loss": "weighting", "per_token_loss": "objective"}
 
 
 def rows_problem(mine: dict[int, dict], records: list[dict], per_round: int) -> str | None:
@@ -953,7 +964,12 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
     mine = read_tensors(yours_dir / TENSORS_FILE)
     if not mine or spec.loop.tensor_steps < 1:
         return None
+    from harness.runlog.tensors import TRAINED_FILE, read_trained
+
     problem = rows_problem(mine, records, spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION)
+    if read_trained(yours_dir / TRAINED_FILE):
+        problem = ("your loop names the completions each step trains on (harness.loop.trained): its steps are read "
+                   "stage by stage from its own tensors instead")
     if problem:
         log(f"    (the tensor diff is skipped: {problem})")
         return {"first": None, "chain": [], "skipped": problem}
@@ -1116,7 +1132,7 @@ def _found_how(differences: list[dict]) -> dict:
     from your log, by the tensor diff, or by the search."""
     out = {}
     for d in differences:
-        how = ("read from your tensors" if d.get("identified") else "read from your log" if d.get("read_from_log")
+        how = ("read from what your loop saved" if d.get("identified") else "read from your log" if d.get("read_from_log")
                else "by the tensor diff" if d.get("from_tensors") else "by the search")
         out[d["field"]] = how
         out.update({k: how for k in d.get("trl") or {}})

@@ -72,6 +72,82 @@ def snap(value: float, unc: float, nice=_NICE_EPS) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# which completions each step trains on
+# ---------------------------------------------------------------------------------------------
+def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group: int, per_round: int,
+              rewards: list[list[float]] | None = None, lengths: list[list[int]] | None = None,
+              truncated: list[list[bool]] | None = None, path: str = "") -> Finding:
+    """Which completions each optimizer step of your loop trained on (harness.loop.trained), against TRL's (step s:
+    the whole round (s - 1) // per_round): how many per step, from how many rounds, each round over how many steps,
+    completions trained more than once, and the groups never trained with a rule that fits them (every group whose
+    rewards are all equal: DAPO's dynamic sampling; every group of truncated completions; the groups of the
+    lowest or highest mean reward) or none. `sizes`: each round's completions; `rewards`, `lengths`, `truncated`:
+    per round, per completion."""
+    steps = sorted(chosen)
+    default = {s: [((s - 1) // per_round, i) for i in range(sizes[(s - 1) // per_round])] for s in steps
+               if (s - 1) // per_round < len(sizes)}
+    if all(sorted(chosen[s]) == default.get(s) for s in steps):
+        order = any(chosen[s] != default.get(s) for s in steps)
+        return Finding("selection", None, "your loop trains each step on one whole round, as TRL does" + (
+            " (in an order of its own)" if order else ""), {}, True, same_as_spec=True)
+    words, unsettled = [], []
+    counts = [len(chosen[s]) for s in steps]
+    per_step = f"{counts[0]}" if len(set(counts)) == 1 else f"{min(counts)} to {max(counts)}"
+    rounds_per = [len({r for r, _ in chosen[s]}) for s in steps]
+    words.append(f"trains each step on {per_step} completions" + (
+        f" from {max(rounds_per)} rounds at once" if max(rounds_per) > 1 else ""))
+    seen: dict[tuple[int, int], int] = {}
+    steps_of: dict[int, set] = {}
+    for s in steps:
+        for r, i in chosen[s]:
+            seen[(r, i)] = seen.get((r, i), 0) + 1
+            steps_of.setdefault(r, set()).add(s)
+    used_rounds = sorted(steps_of)
+    spread = {len(v) for v in steps_of.values()}
+    if max(spread) > 1 and max(rounds_per) == 1:
+        words.append(f"taking each round over {min(spread)}" + (f" to {max(spread)}" if len(spread) > 1 else "")
+                     + " steps, a part at a time (TRL: steps_per_generation, on shuffled slices)")
+    again = sum(1 for v in seen.values() if v > 1)
+    if again:
+        words.append(f"trains {again} completion(s) more than once (a replay buffer, or several passes)")
+    skipped = sorted({(r, i // group) for r in used_rounds for i in range(sizes[r])} - {(r, i // group) for r, i in seen})
+    partial = [(r, g) for r, g in {(r, i // group) for r, i in seen} if any((r, g * group + j) not in seen
+                                                                            for j in range(group))]
+    rule = None
+    if skipped and rewards is not None:
+        def spread_of(r, g):
+            x = [v for v in rewards[r][g * group:(g + 1) * group] if v == v]
+            return max(x) - min(x) if x else 0.0
+        kept = sorted({(r, i // group) for r, i in seen})
+        flat = {(r, g) for r in used_rounds for g in range(sizes[r] // group) if spread_of(r, g) <= 1e-9}
+        if set(skipped) == flat:
+            rule = "every group whose rewards are all equal (advantage 0 for each of its completions; DAPO's dynamic " \
+                   "sampling filters them)"
+        elif truncated is not None and all(all(truncated[r][g * group:(g + 1) * group]) for r, g in skipped) and \
+                not any(all(truncated[r][g * group:(g + 1) * group]) for r, g in kept):
+            rule = "every group whose completions are all truncated"
+        else:
+            means = {(r, g): float(np.nanmean(rewards[r][g * group:(g + 1) * group]))
+                     for r in used_rounds for g in range(sizes[r] // group)}
+            lo = max(means[k] for k in skipped)
+            hi = min(means[k] for k in skipped)
+            if all(means[k] > lo for k in kept):
+                rule = f"every group whose mean reward is at most {lo:g}"
+            elif all(means[k] < hi for k in kept):
+                rule = f"every group whose mean reward is at least {hi:g}"
+    if skipped:
+        words.append(f"and never trains on {len(skipped)} of the {sum(sizes[r] // group for r in used_rounds)} "
+                     "groups of the rounds it reads: " + (rule if rule else "no rule on their rewards' spread, mean "
+                                                          "reward or truncation fits them"))
+    if partial:
+        words.append(f"({len(partial)} group(s) trained only in part)")
+    return Finding("selection", None, "your loop " + ", ".join(words[:1]) + (", " if len(words) > 1 else "")
+                   + ", ".join(words[1:]), {"SELECTION": path} if path else {}, True, unsettled=tuple(unsettled),
+                   evidence={"steps": len(steps), "skipped_groups": len(skipped), "rule": rule},
+                   settles=("SELECTION",))
+
+
+# ---------------------------------------------------------------------------------------------
 # advantages as a function of rewards
 # ---------------------------------------------------------------------------------------------
 def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
@@ -167,6 +243,10 @@ def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> F
         settings["ADV_SCALE"] = "none"
         words.append("and does not divide by a std")
         fit = {}
+    elif kind == "constant" and (fit := _std_fit({k: fitted for k in range(len(g)) if np.nanstd(g[k]) > 0},
+                                                 {k: g[k] for k in range(len(g))})):
+        kind = "group"  # one scale for every group, as each group's own std gives it (their stds are equal here)
+        settings["ADV_SCALE"] = "group"
     elif kind == "constant":
         flat = g.reshape(-1)
         fit = _std_fit({0: fitted}, {0: flat})
@@ -189,9 +269,12 @@ def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> F
         est = "population std (n)" if std == "population" else "Bessel's std (n - 1)"
         words.append(f"and divides by {where} {est}" + (f" with {eps:g} inside the square root, sqrt(var + eps)"
                                                         if inside else f" + {eps:g}"))
-        if unc > 0 and (eps == 0 or unc >= eps / 2):
+        if unc > 0 and (eps == 0 or unc >= eps):
             unsettled.append(f"the advantage epsilon is below {unc:.1g}: the run cannot tell {eps:g} from other "
                              "values that small (the rewards' spread is too wide for it to show)")
+        elif unc > 0 and unc >= eps / 20:
+            unsettled.append(f"the advantage epsilon is known to +-{unc:.1g} only ({eps:g} is the round value within "
+                             "that)")
     if clipped is not None and clipped.any():
         words.append(f"then clips the advantages to [-{top:.4g}, {top:.4g}]")
         no_switch = True
@@ -662,6 +745,8 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     alike_eps = [e for e in _ADAM_EPS if score(b1, b2, e, clip)[2] <= floor]
     eps = alike_eps[0] if alike_eps else eps
     alike_clip = sorted({clip, *(c for c in clips if score(b1, b2, eps, c)[2] <= floor)})
+    nice = [c for c in (1.0, 0.5, 0.2, 0.1, 2.0, 5.0) if c in alike_clip]
+    clip = nice[0] if nice and math.isfinite(clip) else clip  # a round threshold the run cannot tell from the fit
     lrs, wds, res = score(b1, b2, eps, clip)
     exact = res < 1e-3
     unsettled, settings, words = [], {}, []
@@ -767,42 +852,80 @@ def _refine(f, x0: float, lo: float, hi: float, iters: int = 40, bracket: bool =
 # ---------------------------------------------------------------------------------------------
 # every stage the saved tensors allow
 # ---------------------------------------------------------------------------------------------
-STAGES = ("advantages", "mask", "weighting", "objective", "optimizer")
+STAGES = ("selection", "advantages", "mask", "weighting", "objective", "optimizer")
 
 
 def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int], pad_id: int | None,
-             grad_norms: dict[int, float]) -> list[Finding]:
+             grad_norms: dict[int, float], chosen: dict[int, list] | None = None, chosen_path: str = "",
+             round_rewards: list[list[float]] | None = None) -> list[Finding]:
     """Every stage your saved tensors allow, in the chain's order. `mine`: {step: {tensor: value}} (read_tensors);
     `records`: the lockstep rounds your loop trained on; `spec`: the built-in loop as TRL (what differs is said
     against it); `grad_norms`: your logged pre-clip gradient norm per step. A stage is read at every step that has
     its tensors; the exact reading with the least left unsettled wins (the earliest at a tie). Steps that train on a
-    slice of a round (STEPS_PER_GENERATION > 1) are not read: their rows are not the round's."""
+    slice of a round (STEPS_PER_GENERATION > 1) are not read: their rows are not the round's. `chosen`: your loop's
+    selection ({step: [(round, index), ...]}, harness.loop.trained): a step's tensors are read as those rows."""
     if spec.STEPS_PER_GENERATION > 1:
         return []
     per_round = spec.NUM_ITERATIONS
+    G = spec.GROUP_SIZE
     found: dict[str, list[Finding]] = {k: [] for k in STAGES}
+    if chosen:
+        sizes = [len(rec["completion_ids"]) for rec in records]
+        eos = set(eos_ids)
+        found["selection"].append(selection(
+            chosen, sizes, G, per_round, round_rewards, [[len(c) for c in rec["completion_ids"]] for rec in records],
+            [[not c or c[-1] not in eos for c in rec["completion_ids"]] for rec in records], chosen_path))
     for step in sorted(mine):
         t = mine[step]
-        r = (step - 1) // per_round
-        if r >= len(records):
-            continue
-        comps = records[r]["completion_ids"]
+        if chosen and step in chosen:  # the rows your loop named, in its order
+            picks = chosen[step]
+            if any(r >= len(records) for r, _ in picks):
+                continue
+            comps = [records[r]["completion_ids"][i] for r, i in picks]
+            whole = len(picks) % G == 0 and all(picks[k][1] % G == 0 and all(
+                picks[k + j] == (picks[k][0], picks[k][1] + j) for j in range(G)) for k in range(0, len(picks), G))
+        else:
+            r = (step - 1) // per_round
+            if r >= len(records):
+                continue
+            comps, whole = records[r]["completion_ids"], True
         lengths = [len(c) for c in comps]
-        if "rewards" in t and "advantages" in t:
+        if "rewards" in t and "advantages" in t and whole:
             found["advantages"].append(advantages(t["rewards"], t["advantages"], spec.GROUP_SIZE, spec, step=step))
         if "mask" in t and _rows_of(t["mask"], len(comps)):
             found["mask"].append(mask(t["mask"], comps, eos_ids, spec, pad_id, spec.MAX_TOKENS, step=step))
         if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
-            found["weighting"].append(weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), lengths,
-                                                spec.GRAD_ACCUM, spec.MAX_TOKENS, spec, step=step))
+            w = weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), lengths, spec.GRAD_ACCUM,
+                          spec.MAX_TOKENS, spec, step=step)
+        obj = None
         if all(k in t for k in ("per_token_loss", "advantages", "logps", "mask")) and _rows_of(t["logps"], len(comps)):
-            found["objective"].append(objective(t["per_token_loss"], t["advantages"], t["logps"], t["mask"], lengths,
-                                                t.get("old_logps"), t.get("ref_logps"), spec, step=step))
+            obj = objective(t["per_token_loss"], t["advantages"], t["logps"], t["mask"], lengths, t.get("old_logps"),
+                            t.get("ref_logps"), spec, step=step)
+            found["objective"].append(obj)
+        if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
+            kl = (obj.evidence.get("kl") if obj is not None and obj.exact else None)
+            weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings  # (a constant divisor fits any one step)
+            if kl and weak:  # what it logs may leave the KL term out (verl logs it apart)
+                w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), lengths, spec.GRAD_ACCUM,
+                               spec.MAX_TOKENS, spec, step=step)
+                if w2.exact and not w2.no_switch:
+                    w = dataclasses.replace(w2, rule=w2.rule + "; what it logs as its loss leaves the KL term out "
+                                            "(logged otherwise than trained: not a difference in training)",
+                                            same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
+                                                                                    "logged_without_kl": True})
+            found["weighting"].append(w)
     probes = [mine[s]["probe"] for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
     norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
     if probes and all(isinstance(x, (int, float)) for x in norms):
         found["optimizer"].append(optimizer(probes, norms, spec, steps_total=spec.STEPS))
     divisors = {f.settings.get("LOSS_DIVISOR") for f in found["weighting"]}
+    if divisors == {None} or None in divisors and len(divisors) > 1:  # a named rule at some step beats a divisor
+        found["weighting"] = [f for f in found["weighting"] if "LOSS_DIVISOR" not in f.settings]
+        divisors = {None}
+    if len(found["weighting"]) == 1 and divisors != {None}:  # one step: any number divides it
+        found["weighting"] = [dataclasses.replace(f, unsettled=f.unsettled + (
+            "a constant divisor was read at one step only, and one number fits any one step: save two steps' "
+            "tensors to check it",), settles=()) for f in found["weighting"]]
     if len(divisors) > 1:  # a divisor that changes from step to step is no constant
         seen = ", ".join(f"{x:g}" for x in sorted(x for x in divisors if x))
         found["weighting"] = [dataclasses.replace(f, exact=False, settings={}, settles=(), no_switch=True, rule=(
@@ -811,7 +934,26 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     for stage in STAGES:
         cands = found[stage]
         if cands:
-            out.append(min(cands, key=lambda f: (not f.exact, len(f.unsettled), f.step or 0)))
+            # the reading that says most: exact, least left unsettled, most settled (a step where a KL term or the
+            # ratio can show at all), then the earliest
+            best = min(cands, key=lambda f: (not f.exact, len(f.unsettled), -len(f.settles), f.step or 0))
+            logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings),
+                          None)
+            out.append(dataclasses.replace(best, rule=logged.rule) if logged and logged is not best else best)
+    return out
+
+
+def _without_kl(t: dict, kl) -> list[list[float]]:
+    """Your per-token losses less the KL term the objective stage found (beta x estimator, with its ratio factor)."""
+    est, beta, factor = kl
+    out = []
+    for i, row in enumerate(t["per_token_loss"]):
+        lp, ref = np.asarray(t["logps"][i], dtype=np.float64), np.asarray(t["ref_logps"][i], dtype=np.float64)
+        n = min(len(row), len(lp), len(ref))
+        k = _kl(lp[:n], ref[:n], est)
+        if factor and t.get("old_logps") is not None:
+            k = k * np.exp(lp[:n] - np.asarray(t["old_logps"][i][:n], dtype=np.float64))
+        out.append((np.asarray(row[:n], dtype=np.float64) - beta * k).tolist())
     return out
 
 

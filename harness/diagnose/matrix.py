@@ -537,7 +537,7 @@ def _your_loop_found(c: dict) -> tuple[str, list[str]]:
         how = ", ".join(f"{k} = {toml_value(v)}" for k, v in d["trl"].items())
         items.append(f"{d['field']} = {toml_value(d['value'])}: {d['words']}"
                      + (f" ([trl] {how})" if d["trl"] else " (TRL has no setting for it)")
-                     + (", read from your tensors" if d.get("identified") else ", read from your log"
+                     + (", read from what your loop saved" if d.get("identified") else ", read from your log"
                         if d.get("read_from_log") else "") + ".")
     items += [_capital(n) + "." for n in lead.get("notes", [])]
     return said, items

@@ -86,6 +86,9 @@ QUIRKS = {
         True: "puts the KL penalty in the reward; TRL adds it to the loss and has no option to move it"}),
     "STD_EPS_INSIDE": (False, "std epsilon inside the square root", {
         True: "divides by sqrt(var + eps); TRL divides by std + eps and has no option for the other"}),
+    "SELECTION": ("", "completions each step trains on", {
+        "*": "trains each step on the completions a file names (a loop's own selection); TRL trains each step on "
+             "its share of one round and has no option to choose"}),
     "MICRO_BATCH_ORDER": ("shuffled", "micro-batches cut from", {
         "rollout": "cuts each round into micro-batches in the rollout's order; TRL shuffles the round first and has no "
                    "option not to"}),

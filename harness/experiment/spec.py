@@ -234,6 +234,11 @@ class Spec:
     STD_EPS_INSIDE: bool = _f(False, "Scale advantages by sqrt(var + STD_EPS) instead of std + STD_EPS (TRL).")
     LOSS_SUM: bool = _f(False, "Sum the per-token losses with no normalisation at all (overrides LOSS_NORM; TRL has "
                         "no such loss_type).")
+    SELECTION: str = _f("", "Which completions each optimizer step trains on: empty (whole rounds, as TRL) or a "
+                        "trained.jsonl your loop wrote (harness.loop.trained: (round, index) pairs per step), which the "
+                        "built-in loop then replays, each step one batch cut into GRAD_ACCUM micro-batches in its order "
+                        "(the explanation sets it for a loop that trains on part of a round, several rounds or a "
+                        "subset of groups per step).")
     MICRO_BATCH_ORDER: str = _f("shuffled", "How a round is cut into micro-batches: `shuffled` (TRL: a seeded "
                                 "permutation first) or `rollout` (in the rollout's order, as loops that slice their "
                                 "batch do; it changes the numbers with a per-micro-batch loss, TRL's bnpo).",

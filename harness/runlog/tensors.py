@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 TENSORS_FILE = "tensors.jsonl"
+TRAINED_FILE = "trained.jsonl"  # which completions each optimizer step of your loop trained on (harness.loop.trained)
 # rewards -> advantages -> the loss's mask -> log-probs (policy, old, reference) -> per-token loss -> loss -> gradient
 CHAIN = ("rewards", "advantages", "mask", "logps", "old_logps", "ref_logps", "per_token_loss", "loss", "grad_norm")
 PER_TOKEN = ("mask", "logps", "old_logps", "ref_logps", "per_token_loss")
@@ -66,4 +67,38 @@ def read_tensors(path: str | Path) -> dict[int, dict]:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             out.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    return out
+
+
+def write_trained(path: str | Path, step: int, rows) -> None:
+    """Append step `step`'s completions, as (round, index within the round) pairs, to `path`."""
+    pairs = []
+    for item in rows:
+        r, i = (int(x) for x in item)
+        if r < 0 or i < 0:
+            raise ValueError(f"trained: step {step}: ({r}, {i}) is not a (round, index) pair of non-negative integers")
+        pairs.append([r, i])
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": int(step), "rows": pairs}) + "\n")
+
+
+def read_trained(path: str | Path) -> dict[int, list[tuple[int, int]]]:
+    """{step: [(round, index), ...]} from a trained.jsonl ({} when there is none; a later line for a step replaces an
+    earlier one). A line that is not {"step": int, "rows": [[int, int], ...]} is a ValueError naming it."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    path = Path(path)
+    if not path.exists():
+        return out
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            pairs = [(int(r), int(i)) for r, i in row["rows"]]
+            step = row["step"]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path.name}:{n}: not {{\"step\": 1, \"rows\": [[round, index], ...]}}: {line[:120]!r}")
+        if not isinstance(step, int) or step < 1:
+            raise ValueError(f"{path.name}:{n}: step must be an integer from 1, got {step!r}")
+        out[step] = pairs
     return out

@@ -1,0 +1,82 @@
+"""A loop that does not train each step on one whole round: part of a round per step, several rounds per step, groups
+skipped. It says which completions each step trained on (harness.loop.trained), runs to its end (the harness records
+as many rounds as it reads: [loop] rounds), and the built-in loop replays the same selection (SELECTION): each case
+explained, the rule read from the selection, and confirmed over 12 steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import DEFAULT_SPEC
+from harness.diagnose import identify
+from harness.diagnose.matrix import run_matrix
+from harness.experiment.spec import load_spec
+from harness.rollouts.lockstep import RecordingSource, ReplaySource
+from harness.runlog.log import read_metrics
+from harness.runlog.tensors import write_trained
+from scratch_grpo.train import train
+from test_explain import EXAMPLE, QUIET
+
+
+def test_the_selection_rule_is_read_from_which_groups_are_skipped():
+    g, sizes = 4, [16, 16]
+    rewards = [[1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 1], [0.5] * 4 + [1, 0, 0, 0] + [1, 1, 1, 0] + [0] * 4]
+    flat = {(0, 0), (0, 2), (1, 0), (1, 3)}
+    chosen = {1: [(0, i) for i in range(16) if (0, i // 4) not in flat], 2: [(1, i) for i in range(16)
+                                                                              if (1, i // 4) not in flat]}
+    f = identify.selection(chosen, sizes, g, 1, rewards, path="t.jsonl")
+    assert "every group whose rewards are all equal" in f.rule and f.settings == {"SELECTION": "t.jsonl"}, f
+    # the same skipped groups and one more that is not flat: no rule fits
+    chosen[2] = [(1, i) for i in range(4, 8)]
+    assert "no rule" in identify.selection(chosen, sizes, g, 1, rewards).rule
+    # whole rounds in their order: TRL's
+    same = identify.selection({1: [(0, i) for i in range(16)], 2: [(1, i) for i in range(16)]}, sizes, g, 1, rewards)
+    assert same.same_as_spec and not same.settings
+    parts = identify.selection({1: [(0, i) for i in range(8)], 2: [(0, i) for i in range(8, 16)]}, sizes, g, 1)
+    assert "each round over 2 steps" in parts.rule, parts
+
+
+def test_a_selection_of_whole_rounds_in_order_trains_as_the_rounds_do(tmp_path):
+    """The selection path against the round path: whole rounds, micro-batches cut in the rollout's order on both
+    (MICRO_BATCH_ORDER = rollout), the same numbers at every step, exactly (fp32, one process)."""
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=4", 'MICRO_BATCH_ORDER="rollout"'])
+    tok = load_tokenizer(checkpoint_dir(spec))
+    source = RecordingSource(spec, eos_token_ids(generation_config(checkpoint_dir(spec)), tok), tok.pad_token_id, "cpu")
+    train(spec, tmp_path / "recording", rollout_source=source, progress=False)
+    records = source.records
+    sel = tmp_path / "trained.jsonl"
+    for s in range(1, 5):
+        write_trained(sel, s, [(s - 1, i) for i in range(len(records[s - 1]["completion_ids"]))])
+    rounds = train(spec, tmp_path / "rounds", rollout_source=ReplaySource(records), progress=False)
+    picked = train(load_spec(DEFAULT_SPEC, ["STEPS=4", 'MICRO_BATCH_ORDER="rollout"', f"SELECTION={json.dumps(str(sel))}"]),
+                   tmp_path / "picked", rollout_source=ReplaySource(records), progress=False)
+    a, b = read_metrics(rounds / "metrics.jsonl")[0], read_metrics(picked / "metrics.jsonl")[0]
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "reward", "entropy", "prompt_ids_hash", "sequences_in_step"):
+            assert x[key] == y[key], (key, x[key], y[key])
+
+
+@pytest.mark.parametrize("flags, sets, rule", [
+    ("--skip-flat-groups --std-eps 0.01", [], "every group whose rewards are all equal"),
+    ("--round-parts 2", [], "each round over 2 steps"),
+    ("--rounds-per-step 2 --adam-beta2 0.999", ["loop.rounds=24"], "from 2 rounds at once"),
+])
+def test_a_loop_that_picks_its_completions_runs_to_its_end_and_is_explained(tmp_path, flags, sets, rule):
+    cmd = f"{EXAMPLE} {flags}"
+    spec = load_spec(DEFAULT_SPEC, [f"loop.command={json.dumps(cmd)}", "STEPS=12", *sets])
+    doc = run_matrix(spec, tmp_path, "none", **QUIET)
+    cell = doc["cells"][0]
+    assert cell["verdict"] == "diverged", cell.get("error")
+    found = cell["attribution_detail"][0]
+    sel = next(f for f in found["identified"] if f["stage"] == "selection")
+    assert rule in sel["rule"], sel
+    assert found["status"] == "confirmed", found["evidence"]
+    assert "SELECTION" in found["fix"]["scratch"], found["fix"]
+    if "--std-eps" in flags:
+        assert found["fix"]["scratch"]["STD_EPS"] == 0.01
+    if "--adam-beta2" in flags:
+        assert found["fix"]["trl"] == {"adam_beta2": 0.999}, found["fix"]
