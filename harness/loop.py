@@ -144,10 +144,11 @@ class Probe:
 
     and log the pre-clip `grad_norm` each step (log_step). It reads `per_param` evenly spaced elements of up to
     `max_params` parameters spread over `model.named_parameters()` (a few thousand numbers a step), for the first
-    `steps` optimizer steps, into PARITY_TENSORS; outside the harness it does nothing. Duck-typed: any framework
-    whose parameters index like torch tensors (`p.detach().reshape(-1)[idx]`, `.tolist()`)."""
+    `steps` optimizer steps (default: 4, or the spec's `[loop] tensor_steps` where that is more), into PARITY_TENSORS;
+    outside the harness it does nothing. Duck-typed: any framework whose parameters index like torch tensors
+    (`p.detach().reshape(-1)[idx]`, `.tolist()`)."""
 
-    def __init__(self, model, per_param: int = 32, max_params: int = 16, steps: int = 4):
+    def __init__(self, model, per_param: int = 32, max_params: int = 16, steps: int | None = None):
         named = [(n, p) for n, p in model.named_parameters() if getattr(p, "requires_grad", True)]
         if len(named) > max_params:
             named = [named[round(i * (len(named) - 1) / (max_params - 1))] for i in range(max_params)]
@@ -156,6 +157,8 @@ class Probe:
             n = int(p.numel())
             k = min(per_param, n)
             self.picks.append((name, p, sorted({i * n // k for i in range(k)})))
+        if steps is None:
+            steps = max(4, int(spec().get("loop", {}).get("tensor_steps", 2)))
         self.steps, self._pending = steps, None
 
     def read(self, grads: bool = False) -> dict:

@@ -145,7 +145,7 @@ def test_a_loop_with_the_trl_tables_values_is_explained_relative_to_the_table(tm
     assert "no setting" not in found["evidence"], found["evidence"]
     table = (tmp_path / "your_loop_in_trl.toml").read_text()
     assert tomllib.loads(table)["trl"] == {"adam_beta2": 0.999}, table
-    assert "# confirmed, by the search\nadam_beta2 = 0.999" in table, table
+    assert "# confirmed, read from what your loop saved\nadam_beta2 = 0.999" in table, table  # (the Probe)
 
 
 def test_a_candidate_is_judged_by_agreement_first():

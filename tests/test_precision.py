@@ -202,3 +202,19 @@ def test_your_loop_failing_in_float32_leaves_the_bf16_parity_standing_and_says_s
     assert cell["verdict"] == "parity" and cell["ok"] and "LoopError" in cell["precision"]["error"], cell
     said = " ".join(M.format_verdict(doc).split())
     assert "the float32 check of your loop failed" in said.lower() and "parity stands unchecked" in said
+
+
+@pytest.mark.slow
+def test_an_explanation_reached_in_bf16_is_checked_in_float32(tmp_path):
+    """Your loop with a std epsilon of 0.01 (shows in bf16) and Adam's beta2 0.9 (hidden by bf16's rounding over 6
+    steps; no Probe, so its slice cannot read it): the bf16 explanation agrees at every step with the epsilon alone,
+    and before it is claimed your loop and the built-in loop run again in float32, where the search adds beta2 0.9,
+    said as shown in float32 only."""
+    spec = _your_loop(tmp_path, "--std-eps 0.01 --adam-beta2 0.9 --no-probe", "STEPS=6")
+    doc = M.run_matrix(spec, tmp_path / "run", "none", log=lambda *_: None)
+    found = doc["cells"][0]["attribution_detail"][0]
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["precision"]["checked"] is True and found["precision"]["found"] == {"STD_EPS": 0.01}, found["precision"]
+    assert found["fix"]["trl"] == {"adam_beta2": 0.9} and found["fix"]["scratch"] == {"STD_EPS": 0.01}, found["fix"]
+    assert any(n.startswith("shown in float32 only") and "beta2 0.9" in n for n in found["notes"]), found["notes"]
+    assert "checked in float32" in found["evidence"]

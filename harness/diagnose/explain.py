@@ -107,6 +107,8 @@ def options(spec, logged: set[str]) -> list[Option]:
     if "learning_rate" not in logged:  # else read from the log (settings_from_log), not searched
         out += [Option("LR", v, 2) for v in LR_VALUES if not math.isclose(v, spec.LR, rel_tol=1e-9)]
     out += [Option("WEIGHT_DECAY", v, 2) for v in (0.0, 0.01, 0.1) if v != spec.WEIGHT_DECAY]
+    if not spec.WEIGHT_DECAY_ALL:  # torch's AdamW(model.parameters()): norms and biases decay too
+        out += [Option("WEIGHT_DECAY", v, 2, (("WEIGHT_DECAY_ALL", True),)) for v in (0.01, 0.1)]
     out += [Option("MAX_GRAD_NORM", v, 2) for v in CLIP_NORMS if v != spec.MAX_GRAD_NORM]
     out += [Option("ADAM_EPS", v, 2) for v in (1e-6, 1e-5) if v != spec.ADAM_EPS]
     out += [Option("ADAM_BETA2", v, 3) for v in (0.999, 0.99, 0.98, 0.95, 0.9) if v != spec.ADAM_BETA2]
@@ -122,6 +124,8 @@ def options(spec, logged: set[str]) -> list[Option]:
     out += [Option("EMPTY_SKIP", not spec.EMPTY_SKIP, 1)]
     out += [Option("LOGP_OLD", "forward", 1)] if spec.LOGP_OLD != "forward" else []
     out += [Option("LOSS_SUM", True, 1)] if not spec.LOSS_SUM else []
+    if spec.LOSS_NORM == "token_local" and spec.GRAD_ACCUM > 1 and spec.MICRO_BATCH_ORDER == "shuffled":
+        out += [Option("MICRO_BATCH_ORDER", "rollout", 1)]
     if spec.TEMPERATURE != 1.0:
         out += [Option("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS, 1)]
     return out
@@ -717,6 +721,10 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         spec, search, state, trace, yours_dir, envelope = escalated
         value_only = search.value_only
         notes.append(escalated_words(escalated[1].escalated_from, spec_dtype))
+        only32 = {k: v for k, v in state.changes.items() if k not in search.escalated_from["found"]}
+        if only32:  # what bf16's noise hid: named, and marked as seen in float32 only
+            notes.append(f"shown in float32 only (under {spec_dtype}'s rounding in the {spec_dtype} run): "
+                         + "; ".join(words(k, v).removeprefix("your loop ") for k, v in only32.items()))
     from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
     changes = state.changes
     base = search.base
@@ -778,7 +786,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         search.runs += 1
     sentence = _sentence(trl, quirks, path)
     if escalated is not None:
-        sentence += f" (found in float32: {escalated_words(search.escalated_from, spec_dtype)})"
+        sentence += (f" ({'checked' if search.escalated_from.get('checked') else 'found'} in float32: "
+                     f"{escalated_words(search.escalated_from, spec_dtype)})")
     if derived:
         sentence += "; " + defined_differently_words(derived, final)
     if final.get("loss_in_value_only"):
@@ -809,12 +818,17 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     search's `escalated_from` saying where bf16 stopped."""
     from loop_runner.run import LoopError
 
-    if spec.DTYPE == "float32" or state.agree >= search.steps or not search.below_rounding:
+    full = state.agree >= search.steps  # an explanation reached in bf16 is checked in float32 before it is claimed
+    if spec.DTYPE == "float32" or spec.FLOAT32_CHECK == "off" or (not full and not search.below_rounding):
         return None
     root = search.root / "float32"
     spec32 = apply_alignment(spec, {"set": float32.FLOAT32})
-    log(f"    explain: in {spec.DTYPE} the rest is below rounding from step {search.below_rounding['at_step']}: your "
-        "loop and the search again in float32 on the same rollouts")
+    if full:
+        log(f"    explain: in {spec.DTYPE} the explanation agrees at every step; before it is claimed, your loop and the "
+            "built-in loop again in float32 on the same rollouts (bf16's rounding hides smaller differences)")
+    else:
+        log(f"    explain: in {spec.DTYPE} the rest is below rounding from step {search.below_rounding['at_step']}: "
+            "your loop and the search again in float32 on the same rollouts")
     t0 = time.perf_counter()
     try:
         yours, same = float32.your_loop_in_float32(spec32, cell_dir, root)
@@ -831,8 +845,8 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     again.steps_run = search.steps_run + 3 * search.steps
     if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may
         again.without_loss(search.value_only)  # differ in float32)
-    again.escalated_from = {**search.below_rounding, "agree": state.agree, "found": state.changes,
-                            "loop_ignores_dtype": bool(same)}
+    again.escalated_from = {**(search.below_rounding or {"at_step": None}), "agree": state.agree,
+                            "found": state.changes, "loop_ignores_dtype": bool(same), "checked": full}
     guess = {k: v for k, v in state.changes.items() if k not in read}
     state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
     again.save()
@@ -840,9 +854,13 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
 
 
 def escalated_words(where: dict, dtype: str) -> str:
-    said = (f"in {dtype} the search's best agreed through step {where['agree']} and what was left from step "
-            f"{where['at_step']} was below its rounding, so your loop and the search were re-run in float32 on the "
-            "same rollouts")
+    if where.get("checked"):
+        said = (f"in {dtype} the explanation agreed at every step, and was checked in float32 on the same rollouts "
+                "(your loop and the built-in loop again), where rounding hides less")
+    else:
+        said = (f"in {dtype} the search's best agreed through step {where['agree']} and what was left from step "
+                f"{where['at_step']} was below its rounding, so your loop and the search were re-run in float32 on "
+                "the same rollouts")
     if where.get("loop_ignores_dtype"):
         said += (" (your loop's float32 run logged exactly what its bf16 run did, step for step: does it read DTYPE "
                  "from PARITY_SPEC?)")
@@ -916,12 +934,10 @@ def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
         return []
     facts = chain_facts(base, records)
     norms = {int(s): float(v) for s, v in yours["grad_norm"].dropna().items()} if "grad_norm" in yours.columns else {}
-    weights = [float(w) for w in base.rewards.weights]
-    rewards = [[sum(w * (v if v is not None else float("nan")) for w, v in zip(weights, col)) for col in
-                zip(*scores.values())] for scores in round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE)] or None
+    scores = round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE) or None
     try:
         found = identify.identify(mine, records, base, facts["eos_ids"], facts.get("pad_id"), norms, chosen,
-                                  str((yours_dir / TRAINED_FILE).resolve()) if chosen else "", rewards)
+                                  str((yours_dir / TRAINED_FILE).resolve()) if chosen else "", scores)
     except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:  # tensors of another shape
         log(f"    identify: your tensors could not be read stage by stage ({type(e).__name__}: {str(e)[:120]})")
         return []

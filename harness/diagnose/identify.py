@@ -148,6 +148,33 @@ def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group:
 
 
 # ---------------------------------------------------------------------------------------------
+# rewards as a function of the reward functions' scores
+# ---------------------------------------------------------------------------------------------
+def rewards_stage(rewards, scores: dict[str, list], spec=None, step=None) -> Finding:
+    """Your per-completion rewards against the spec's reward functions' scores of the same completions: the weights
+    that give them (TRL's reward_weights), by least squares and checked exactly, or your own reward code."""
+    from harness.diagnose.tensordiff import fit_reward_weights
+
+    r = [float(x) for x in _arr(rewards)]
+    w = fit_reward_weights(r, scores, atol=1e-5, rtol=1e-4)
+    spec_w = [float(v) for v in spec.rewards.weights] if spec is not None else None
+    cols = np.array([[np.nan if v is None else float(v) for v in col] for col in scores.values()]).T
+    cols = cols[~np.isnan(cols).any(axis=1)] if cols.size else cols
+    if w is None and (not cols.size or np.linalg.matrix_rank(cols) < len(scores)):
+        return Finding("rewards", step, "cannot be read at this step: a reward function scores every completion alike, "
+                       "so no weights can be told apart", {}, False)
+    if w is None:
+        return Finding("rewards", step, "your loop scores the completions with reward code of its own: no weighting of "
+                       f"the spec's reward functions ({', '.join(scores)}) gives its rewards", {}, False, no_switch=True)
+    w = [0.0 if abs(x) < 1e-12 else x for x in w]  # (no -0.0 in the words)
+    if spec_w is not None and all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(w, spec_w)):
+        return Finding("rewards", step, "your loop weighs the reward functions as the spec does", {}, True,
+                       same_as_spec=True, settles=("rewards.weights",))
+    return Finding("rewards", step, f"your loop weighs the reward functions ({', '.join(scores)}) {w}", 
+                   {"rewards.weights": w}, True, settles=("rewards.weights",))
+
+
+# ---------------------------------------------------------------------------------------------
 # advantages as a function of rewards
 # ---------------------------------------------------------------------------------------------
 def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
@@ -161,6 +188,9 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
         return Finding("advantages", step, f"cannot be read: {len(r)} rewards and {len(a)} advantages in groups of "
                        f"{group}", {}, False)
     g = r.reshape(-1, group)
+    if not np.any(np.abs(a) > 1e-7) and np.all(np.nanstd(g, axis=1) == 0):  # every group's rewards alike
+        return Finding("advantages", step, "every advantage is 0 and every group's rewards are alike: nothing to read "
+                       "at this step", {}, False)
     centred = {"group": (g - np.nanmean(g, axis=1, keepdims=True)).reshape(-1), "batch": r - np.nanmean(r), "none": r}
     tol = lambda x: atol + rtol * np.abs(x)  # noqa: E731
     best = None
@@ -447,6 +477,9 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
              "token_local": "divides each micro-batch's masked sum by its own loss tokens (TRL's bnpo)",
              "token_local_in_order": "divides each micro-batch's masked sum by its own loss tokens, then averages over "
                                      "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)"}
+    if not np.any(np.abs(sums) > 1e-12) and abs(loss) <= atol:  # nothing trains at this step (every advantage 0)
+        return Finding("weighting", step, "nothing to read at this step: the per-token losses and the loss are 0 (every "
+                       "advantage 0)", {}, False)
     close = lambda v: abs(v - loss) <= atol + rtol * abs(loss)  # noqa: E731
     hits = [(k, 1) for k, v in values.items() if close(v)]
     hits += [(k, grad_accum) for k, v in values.items() if grad_accum > 1 and close(v / grad_accum)
@@ -456,7 +489,7 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
         spec_norm = "token_global"
     if hits:
         if spec_norm and any(k == spec_norm and f == 1 for k, f in hits):
-            alike = [k for k, _ in hits if k != spec_norm]
+            alike = list(dict.fromkeys(k for k, _ in hits if k != spec_norm))
             return Finding("weighting", step, f"your loop {names[spec_norm]}, as the spec's loss type does", {}, True,
                            same_as_spec=True, unsettled=(f"{', '.join(alike)} give the same number at this step",)
                            if alike else (), settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"))
@@ -466,7 +499,7 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
             if k == "token_local_in_order" else {"LOSS_NORM": k}
         if spec:
             settings = {s: v for s, v in settings.items() if not _same(getattr(spec, s, None), v)}
-        alike = [h for h, _ in hits[1:]]
+        alike = list(dict.fromkeys(h for h, _ in hits[1:] if h != k))
         return Finding("weighting", step, "your loop " + said, settings, True,
                        unsettled=(f"{', '.join(alike)} give the same number at this step",) if alike else (),
                        evidence={"values": values, "logged_mean_of_micro_batches": f > 1},
@@ -482,9 +515,10 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
     named = next((f"{what} ({v:.0f})" + (f", times {f} micro-batches" if f > 1 else "")
                   for f in (1, grad_accum) for what, v in cands.items() if abs(d - f * v) <= 1e-3 * abs(d)), None)
     ev = {"divisor": d, "tokens": float(counts.sum()), "completion_tokens": sum(lengths)}
-    if named:  # a count that changes from step to step: no switch of the built-in loop divides by it
+    if named:  # a count: the built-in loop divides by it as a constant where it is the same at every step read
         return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by {d:.6g}: {named}",
-                       {}, True, no_switch=True, evidence=ev)
+                       {"LOSS_DIVISOR": float(f"{d:.5g}")}, True, evidence={**ev, "count": named},
+                       settles=("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR"))
     d = float(f"{d:.5g}")
     unsettled = (f"if what your loop logs is the mean of its {grad_accum} micro-batches' losses, it trains with a "
                  f"divisor of {d / grad_accum:.5g}",) if grad_accum > 1 else ()
@@ -675,6 +709,14 @@ def _fit_updates(dirs, before, updates, decay, with_se: bool = False):
     for d, p, u in zip(dirs, before, updates):
         # a decay of its own on the norms and biases too (a column of theirs): torch's AdamW on model.parameters()
         cols = [-d] + ([-p * decay] if decay.any() else []) + ([-p * rest] if rest.any() else [])
+        if not np.any(d):  # no gradient at this step (every advantage 0): decay alone moves the weights, and the
+            x = np.stack(cols[1:], axis=1) if len(cols) > 1 else np.zeros((len(u), 1))  # rate cannot be read
+            coef, *_ = np.linalg.lstsq(x, u, rcond=None)
+            res += float(np.sum((x @ coef - u) ** 2))
+            tot += float(np.sum(u ** 2))
+            lrs.append(None)
+            wds.append(None)
+            continue
         x = np.stack(cols, axis=1)
         coef, *_ = np.linalg.lstsq(x, u, rcond=None)
         lr = float(coef[0])
@@ -750,17 +792,23 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     lrs, wds, res = score(b1, b2, eps, clip)
     exact = res < 1e-3
     unsettled, settings, words = [], {}, []
-    lr = max(lrs)
+    known = [(t, x) for t, x in enumerate(lrs) if x is not None]  # (a step with no gradient says no rate)
+    if not known:
+        return Finding("optimizer", None, "cannot be read: no probed step had a gradient (every advantage 0)", {},
+                       False)
+    lr = max(x for _, x in known)
     peak = float(f"{lr:.4g}")
     settings["LR"] = peak
     sched = "constant"
-    if steps_total and len(lrs) >= 2 and not all(math.isclose(x, lrs[0], rel_tol=1e-3) for x in lrs):
-        lin = [peak * (1 - t / steps_total) for t in range(len(lrs))]
-        if all(math.isclose(x, y, rel_tol=1e-3) for x, y in zip(lrs, lin)):
+    if steps_total and len(known) >= 2 and not all(math.isclose(x, known[0][1], rel_tol=1e-3) for _, x in known):
+        if all(math.isclose(x, peak * (1 - t / steps_total), rel_tol=1e-3) for t, x in known):
             sched = "linear"
         else:
-            unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for x in lrs) + ") follows neither "
-                             "a constant nor a linear-to-0 schedule")
+            unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") follows "
+                             "neither a constant nor a linear-to-0 schedule")
+    elif len(known) < 2:
+        unsettled.append(f"the learning rate was read at {len(known)} step(s) only (the others had no gradient): its "
+                         "schedule cannot be told")
     settings["LR_SCHEDULE"] = sched
     words.append(f"steps Adam at a learning rate of {peak:g} ({sched})")
     settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
@@ -773,8 +821,10 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     ses = _fit_updates(_adam_dirs(grads, norms, b1, b2, eps, clip), before, updates, decay, with_se=True)[3]
     rest_wd = [x[1:] for x in ses if isinstance(x, tuple)]
     ses = [x[0] if isinstance(x, tuple) else x for x in ses]
-    wd = float(np.mean(wds)) if decay.any() else 0.0
-    wd_unc = 4 * (math.sqrt(sum(x * x for x in ses)) / len(ses) if ses else 0.0) + float(np.ptp(wds)) / 2
+    wds = [w for w in wds if w is not None]
+    wd = float(np.mean(wds)) if decay.any() and wds else 0.0
+    wd_unc = 4 * (math.sqrt(sum(x * x for x in ses)) / len(ses) if ses else 0.0) + (float(np.ptp(wds)) / 2 if wds
+                                                                                     else 0.0)
     wd = snap(wd, max(wd_unc, 1e-3 * abs(wd), 1e-6), (0.0, 0.01, 0.1, 0.001, 0.05, 0.02))
     if wd_unc > 0.5 * max(abs(wd), 1e-12) and wd_unc > 1e-4:
         unsettled.append(f"weight decay is known to about +-{wd_unc:.1g} only (at this learning rate a decay moves "
@@ -793,7 +843,8 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     if math.isinf(clip):
         settings["MAX_GRAD_NORM"] = _clip_setting(alike_clip, finite, spec)
         if settings["MAX_GRAD_NORM"]:
-            unsettled.append(f"no probed step's gradient norm (the largest {max(finite):.4g}) reached a clipping "
+            unsettled.append(f"no probed step's gradient norm (the largest {max(finite, default=0.0):.4g}) reached a "
+                             "clipping "
                              f"threshold: max_grad_norm {settings['MAX_GRAD_NORM']:g} or none cannot be told apart")
         else:
             words.append("without gradient clipping")
@@ -852,12 +903,12 @@ def _refine(f, x0: float, lo: float, hi: float, iters: int = 40, bracket: bool =
 # ---------------------------------------------------------------------------------------------
 # every stage the saved tensors allow
 # ---------------------------------------------------------------------------------------------
-STAGES = ("selection", "advantages", "mask", "weighting", "objective", "optimizer")
+STAGES = ("selection", "rewards", "advantages", "mask", "weighting", "objective", "optimizer")
 
 
 def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int], pad_id: int | None,
              grad_norms: dict[int, float], chosen: dict[int, list] | None = None, chosen_path: str = "",
-             round_rewards: list[list[float]] | None = None) -> list[Finding]:
+             scores: list[dict[str, list]] | None = None) -> list[Finding]:
     """Every stage your saved tensors allow, in the chain's order. `mine`: {step: {tensor: value}} (read_tensors);
     `records`: the lockstep rounds your loop trained on; `spec`: the built-in loop as TRL (what differs is said
     against it); `grad_norms`: your logged pre-clip gradient norm per step. A stage is read at every step that has
@@ -869,6 +920,9 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     per_round = spec.NUM_ITERATIONS
     G = spec.GROUP_SIZE
     found: dict[str, list[Finding]] = {k: [] for k in STAGES}
+    weights = [float(w) for w in spec.rewards.weights]
+    round_rewards = [[sum(w * (v if v is not None else float("nan")) for w, v in zip(weights, col))
+                      for col in zip(*sc.values())] for sc in scores] if scores else None
     if chosen:
         sizes = [len(rec["completion_ids"]) for rec in records]
         eos = set(eos_ids)
@@ -890,6 +944,12 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
                 continue
             comps, whole = records[r]["completion_ids"], True
         lengths = [len(c) for c in comps]
+        if "rewards" in t and scores:  # the spec's functions' scores of the same completions
+            rows_of = chosen[step] if chosen and step in chosen else [((step - 1) // per_round, i)
+                                                                      for i in range(len(comps))]
+            if all(r < len(scores) for r, _ in rows_of) and len(_arr(t["rewards"])) == len(rows_of):
+                found["rewards"].append(rewards_stage(
+                    t["rewards"], {k: [scores[r][k][i] for r, i in rows_of] for k in scores[0]}, spec, step=step))
         if "rewards" in t and "advantages" in t and whole:
             found["advantages"].append(advantages(t["rewards"], t["advantages"], spec.GROUP_SIZE, spec, step=step))
         if "mask" in t and _rows_of(t["mask"], len(comps)):
@@ -918,18 +978,22 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
     if probes and all(isinstance(x, (int, float)) for x in norms):
         found["optimizer"].append(optimizer(probes, norms, spec, steps_total=spec.STEPS))
-    divisors = {f.settings.get("LOSS_DIVISOR") for f in found["weighting"]}
-    if divisors == {None} or None in divisors and len(divisors) > 1:  # a named rule at some step beats a divisor
+    read_w = [f for f in found["weighting"] if f.exact]
+    divisors = {f.settings.get("LOSS_DIVISOR") for f in read_w}
+    if None in divisors and len(divisors) > 1:  # a loss type read at some step beats a divisor read at another
         found["weighting"] = [f for f in found["weighting"] if "LOSS_DIVISOR" not in f.settings]
-        divisors = {None}
-    if len(found["weighting"]) == 1 and divisors != {None}:  # one step: any number divides it
+    divisors.discard(None)
+    with_divisor = [f for f in read_w if "LOSS_DIVISOR" in f.settings]
+    if len(with_divisor) == 1 and len(divisors) == 1 and not with_divisor[0].evidence.get("count"):
+        # one step, and no count of its tokens or completions: any number divides it
         found["weighting"] = [dataclasses.replace(f, unsettled=f.unsettled + (
             "a constant divisor was read at one step only, and one number fits any one step: save two steps' "
-            "tensors to check it",), settles=()) for f in found["weighting"]]
+            "tensors to check it",), settles=()) if "LOSS_DIVISOR" in f.settings else f for f in found["weighting"]]
     if len(divisors) > 1:  # a divisor that changes from step to step is no constant
         seen = ", ".join(f"{x:g}" for x in sorted(x for x in divisors if x))
         found["weighting"] = [dataclasses.replace(f, exact=False, settings={}, settles=(), no_switch=True, rule=(
-            f"{f.rule}; but the divisor is not the same at every step read ({seen})")) for f in found["weighting"]]
+            f"{f.rule}; but the divisor is not the same at every step read ({seen})")) if "LOSS_DIVISOR" in f.settings
+            else f for f in found["weighting"]]
     out = []
     for stage in STAGES:
         cands = found[stage]
