@@ -216,8 +216,8 @@ for step in range(STEPS):
         rewards, adv = scored(batch)
     elif SELECT:  # the rows the flags choose, from the rounds they come from
         picks = picks_of(step)
-        if args.skip_flat_groups:
-            picks = [(q, i) for q, i in picks if take(q, step)[1].view(-1, G)[i // G].std() > 0]
+        if args.skip_flat_groups:  # (where every group is flat it trains on them all: a step needs completions)
+            picks = [(q, i) for q, i in picks if take(q, step)[1].view(-1, G)[i // G].std() > 0] or picks
         parity.trained(step + 1, picks)  # parity: the completions this step trains on
         rows = [(take(q, step), i) for q, i in picks]
         batch = {"prompt_ids": [t[0]["prompt_ids"][i] for t, i in rows],
@@ -293,7 +293,7 @@ for step in range(STEPS):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM if MAX_GRAD_NORM > 0 else math.inf)
     if not args.no_tensors:  # parity: the first steps' tensors, for the harness's tensor diff (optional)
         parity.tensors(step + 1, rewards=rewards, advantages=adv, mask=loss_mask, logps=seen_logp,
-                       old_logps=old_logps if MU > 1 else None,
+                       old_logps=old_logps if MU > 1 else kept_old if SELECT else None,
                        ref_logps=seen_ref or None, per_token_loss=seen_loss, loss=step_loss, grad_norm=grad_norm)
     opt.step()
     if not (args.no_tensors or args.no_probe):

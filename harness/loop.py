@@ -115,10 +115,11 @@ def tensors(step: int, **named) -> None:
     """Save this optimizer step's tensors along GRPO's dataflow for the harness's tensor diff (a no-op outside
     the harness and past `[loop] tensor_steps`): any of `rewards` (N,), `advantages` (N,), `mask` (N, T: the
     tokens your loss counts), `logps`, `old_logps`, `ref_logps` (N, T: per-token log-probs of the completion
-    tokens), `per_token_loss` (N, T, before aggregation), `loss` and `grad_norm` (numbers). N is every completion
-    of the round in the rollout's order (concatenate your micro-batches back); T any width (each row is read up
-    to its completion's length). Tensors, numpy arrays, lists or numbers; standard library only here (`.tolist()`
-    is called on what has it)."""
+    tokens), `per_token_loss` (N, T, before aggregation, a KL term included), `loss` and `grad_norm` (numbers). N is
+    every completion of the round in the rollout's order, or, for a step you named with `trained(step, rows)`, those
+    rows in that order; a list of your micro-batches' tensors is stacked back into rows; T any width (each row is
+    read up to its completion's length). Tensors, numpy arrays, lists or numbers; standard library only here
+    (`.tolist()` is called on what has it)."""
     from harness.runlog.tensors import write_row
 
     if int(step) < 1:
@@ -142,7 +143,9 @@ class Probe:
         optimizer.step()
         probe.after(step)                      # the weights after the step
 
-    and log the pre-clip `grad_norm` each step (log_step). It reads `per_param` evenly spaced elements of up to
+    and log the pre-clip `grad_norm` each step (log_step). With fp16 loss scaling call `before` after
+    `scaler.unscale_(optimizer)`, so that the gradient read is the one the logged norm measures. It reads `per_param`
+    evenly spaced elements of up to
     `max_params` parameters spread over `model.named_parameters()` (a few thousand numbers a step), for the first
     `steps` optimizer steps (default: 4, or the spec's `[loop] tensor_steps` where that is more), into PARITY_TENSORS;
     outside the harness it does nothing. Duck-typed: any framework whose parameters index like torch tensors
@@ -150,8 +153,8 @@ class Probe:
 
     def __init__(self, model, per_param: int = 32, max_params: int = 16, steps: int | None = None):
         named = [(n, p) for n, p in model.named_parameters() if getattr(p, "requires_grad", True)]
-        if len(named) > max_params:
-            named = [named[round(i * (len(named) - 1) / (max_params - 1))] for i in range(max_params)]
+        if len(named) > max(max_params, 1):
+            named = [named[round(i * (len(named) - 1) / max(max_params - 1, 1))] for i in range(max(max_params, 1))]
         self.picks = []
         for name, p in named:
             n = int(p.numel())
@@ -165,8 +168,8 @@ class Probe:
         """{"names", "before": the picked weights, "grad": their gradients (with grads=True; 0 where none)}."""
         out = {"names": [n for n, _, _ in self.picks], "before": [_values(p, idx) for _, p, idx in self.picks]}
         if grads:
-            out["grad"] = [_values(p.grad, idx) if getattr(p, "grad", None) is not None else [0.0] * len(idx)
-                           for _, p, idx in self.picks]
+            out["grad"] = [_values(p.grad, idx) if getattr(p, "grad", None) is not None else None
+                           for _, p, idx in self.picks]  # None: no gradient (a skipped backward: Adam does not step)
         return out
 
     def _on(self, step: int) -> bool:

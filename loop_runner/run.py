@@ -149,7 +149,7 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
             raise LoopError(f"your loop exited with status {rc}: {_tail(out_dir / STDERR) or '(no stderr)'} "
                             f"(full output: {out_dir / STDERR})")
         rows = read_loop_metrics(raw_path, spec.loop.metrics)
-        _check_trained(out_dir / TRAINED_FILE, rollouts)
+        _check_trained(out_dir / TRAINED_FILE, rollouts, [r["step"] for r in rows])
         if rows[-1]["step"] < spec.STEPS:  # fewer steps than the spec: compared as far as it went, it would pass
             from harness.runlog.log import step_ranges
 
@@ -171,9 +171,10 @@ def train(spec, out_dir, rollouts: str | Path | None = None, progress: bool = Fa
     return out_dir
 
 
-def _check_trained(path: Path, rollouts) -> None:
-    """Your loop's trained.jsonl (harness.loop.trained), where it wrote one: readable, and every (round, index) a
-    completion of the rollouts it was given. LoopError naming the first that is not."""
+def _check_trained(path: Path, rollouts, steps: list[int] = ()) -> None:
+    """Your loop's trained.jsonl (harness.loop.trained), where it wrote one: readable, every logged step (`steps`)
+    named with at least one completion (the built-in loop replays each step), and every (round, index) a completion of
+    the rollouts it was given. LoopError naming the first that is not."""
     from harness.runlog.tensors import read_trained
 
     try:
@@ -182,14 +183,20 @@ def _check_trained(path: Path, rollouts) -> None:
         raise LoopError(f"harness.loop.trained wrote a bad line: {e}") from None
     if not selection or rollouts is None:
         return
+    missing = [s for s in steps if not selection.get(s)]
+    if missing:
+        raise LoopError(f"{path.name}: step {missing[0]} trained on no completion it names ({len(missing)} logged "
+                        "step(s) without one): call harness.loop.trained(step, rows) for every optimizer step, with at "
+                        "least one (round, index) pair")
     sizes = [len(json.loads(line).get("completion_ids") or []) for line in Path(rollouts).read_text().splitlines()
              if line.strip()]
     for step, pairs in sorted(selection.items()):
         for r, i in pairs:
             if r >= len(sizes) or i >= sizes[r]:
+                held = sizes[r] if r < len(sizes) else 0
                 raise LoopError(f"{path.name}: step {step} names round {r}, completion {i}, which the rollouts do not "
-                                f"hold ({len(sizes)} rounds of {sizes[0] if sizes else 0} completions): pairs are "
-                                "(round, index within that round), both from 0")
+                                f"hold ({len(sizes)} rounds; round {r} holds {held} completions): pairs are (round, "
+                                "index within that round), both from 0")
 
 
 def final_weights_distance(yours: Path, other: Path, seed: int) -> tuple[int, float] | None:

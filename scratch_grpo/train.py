@@ -421,14 +421,14 @@ def _gather(prepared: dict, picks: list, pad_id: int, device: str, version: int)
         got = [getattr(prepared[r], name) for r, _ in picks]
         if got[0] is None:
             return None
-        if got[0].dim() == 1:
+        if got[0].dim() == 1 or got[0].size(1) == 1 and name == "is_w":  # per completion ((B, 1): sequence IS weights)
             return torch.stack([t[i] for t, (_, i) in zip(got, picks)])
         width = max(len(prepared[r].completion_ids[i]) for r, i in picks)
         out = []
         for t, (_, i) in zip(got, picks):
             row = t[i]
-            if row.size(0) >= width or row.size(0) == 1:  # (B, 1) per-sequence weights keep their one column
-                out.append(row[:width] if row.size(0) > 1 else row)
+            if row.size(0) >= width:
+                out.append(row[:width])
             else:
                 out.append(torch.cat([row, torch.full((width - row.size(0),), fill, dtype=row.dtype,
                                                       device=row.device)]))

@@ -263,3 +263,64 @@ def test_weighting_per_micro_batch_in_rollout_order():
     loss = float(sum(m[i:i + 2].sum() / mask[i:i + 2].sum() for i in range(0, 8, 2)) / 4)
     f = identify.weighting(ptl.tolist(), mask.tolist(), loss, lengths, 4, 8, SPEC)
     assert f.settings == {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout"}, f
+
+
+def test_what_the_data_cannot_tell_is_not_settled():
+    """The review's cases: groups of equal spread (the group's std and the batch's alike), advantages 0 where the
+    rewards differ, one large advantage that no clip explains, k2 and k3 alike at a small log-ratio."""
+    r = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    g = torch.tensor(r).view(-1, 4)
+    batch = ((g - g.mean(1, keepdim=True)).view(-1) / (torch.tensor(r).std() + 1e-4)).tolist()
+    f = identify.advantages(r, batch, 4, SPEC)
+    assert not {"STD", "ADV_SCALE", "STD_EPS"} & set(f.settles) and any("same spread" in u for u in f.unsettled), f
+    zero = identify.advantages(r, [0.0] * 8, 4, SPEC)
+    assert not zero.exact and not zero.same_as_spec, zero
+    trl = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).view(-1).tolist()
+    trl[1] = -2.0  # one value no rule gives: not a clip (a clip only lowers a magnitude)
+    assert "clips" not in identify.advantages(r, trl, 4, SPEC).rule
+    torch.manual_seed(1)
+    logp = -torch.rand(6, 5)
+    ref = logp + torch.randn(6, 5) * 0.02
+    d = ref - logp
+    ptl = -0.01 * torch.ones_like(logp) + 0.04 * 0.5 * d * d  # k2 of weight 0.04, A = 0.01 everywhere
+    f = identify.objective(ptl.tolist(), [0.01] * 6, logp.tolist(), [[1] * 5] * 6, [5] * 6, ref_logps=ref.tolist(),
+                           spec=SPEC)
+    assert "KL_ESTIMATOR" not in f.settles and any("fit alike" in u for u in f.unsettled), f
+
+
+def test_a_selection_gathers_rounds_of_any_widths():
+    """_gather over a round of eos-only completions (width 1) and a wider one: rows padded, per-sequence IS weights
+    kept as one column."""
+    import types
+
+    from scratch_grpo.train import _gather
+
+    def prep(lengths, version):
+        w = max(lengths)
+        return types.SimpleNamespace(
+            prompt_ids=[[5, 6]] * len(lengths), completion_ids=[[2] * n for n in lengths],
+            c_ids=torch.full((len(lengths), w), 2), c_mask=torch.tensor([[1] * n + [0] * (w - n) for n in lengths]),
+            l_mask=torch.tensor([[1] * n + [0] * (w - n) for n in lengths]), advantages=torch.ones(len(lengths)),
+            rewards=torch.zeros(len(lengths)), logp_old=torch.zeros(len(lengths), w), ref_logps=None,
+            is_w=torch.ones(len(lengths), 1), version=version)
+
+    vb = _gather({0: prep([1, 1, 1, 1], 0), 1: prep([4, 2, 1, 3], 1)}, [(0, 1), (1, 0), (1, 2)], 0, "cpu", 1)
+    assert vb.c_ids.shape == (3, 4) and vb.is_w.shape == (3, 1) and vb.fresh.tolist() == [False, True, True]
+    assert vb.l_mask.tolist() == [[1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_trained_rows_add_up_over_calls_and_every_step_needs_some(tmp_path):
+    from harness.runlog.tensors import read_trained, write_trained
+    from loop_runner.run import LoopError, _check_trained
+
+    path = tmp_path / "trained.jsonl"
+    write_trained(path, 1, [(0, 0), (0, 1)])
+    write_trained(path, 1, [(0, 2)])  # a second micro-batch of step 1
+    assert read_trained(path) == {1: [(0, 0), (0, 1), (0, 2)]}
+    with pytest.raises(ValueError, match="pairs"):
+        write_trained(path, 2, [3, 4])
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"completion_ids": [[1], [2], [3], [4]]}\n')
+    _check_trained(path, rollouts, [1])
+    with pytest.raises(LoopError, match="step 2 trained on no completion"):
+        _check_trained(path, rollouts, [1, 2])

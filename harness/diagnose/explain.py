@@ -695,9 +695,15 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         log(f"    {n}")
     search = Search(base, yours, records, root, envelope, log)
     identified = _identify(spec, base, yours, yours_dir, records, log)
-    ident, settles = identify.settings_of(identified)
-    read = {**read, **ident}  # measured on your loop's own tensors: the search starts there and leaves them
-    search.settled |= set(settles)
+    fixed, unsure, settles = identify.settings_of(identified)
+    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v}
+    for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
+        notes.append(f"{k}: your log states {toml_value(logged)}, your tensors show {toml_value(measured)}; the "
+                     "search starts from the log's")
+    fixed = {k: v for k, v in fixed.items() if k not in conflict}
+    ident = {**fixed, **unsure}  # (for the words: read from what your loop saved)
+    read = {**read, **fixed}  # settled by your own tensors: the search starts there and leaves them
+    search.settled |= set(settles) - set(conflict)
     notes += identify.words(identified)
     found = _tensor_diff(spec, search, read, yours_dir, records, log)
     first = ((found or {}).get("first") or {}).get("tensor")
@@ -705,8 +711,17 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         notes.insert(0, tensor_words(found))  # (a link the stages read exactly is said by them)
     if (found or {}).get("skipped"):
         notes.append("the tensor diff was skipped: " + found["skipped"])
-    guesses = [g for g in (found or {}).get("guesses", []) if not set(g) & set(settles)]
-    exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", []))
+    raw = (found or {}).get("guesses", [])
+    exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", [])) and bool(raw)
+    guesses = []  # the tensor diff's, less what the stages settled (the exact one stays first where anything is left)
+    for i, g in enumerate(raw):  # (a field the stages read, settled or not, is theirs: read from your own tensors)
+        g = {k: v for k, v in g.items() if k not in settles and k not in unsure}
+        if g and g not in guesses:
+            guesses.append(g)
+        elif i == 0:
+            exact_first = False
+    if unsure:  # what the stages read but could not tell from look-alikes: tried first, kept only if it helps
+        guesses.insert(1 if exact_first else 0, unsure)
     state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     value_only = None
     if _loss_value_alone(search, state):  # -logp * A, say: judged again on the gradient
@@ -721,7 +736,11 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         spec, search, state, trace, yours_dir, envelope = escalated
         value_only = search.value_only
         notes.append(escalated_words(escalated[1].escalated_from, spec_dtype))
-        only32 = {k: v for k, v in state.changes.items() if k not in search.escalated_from["found"]}
+        was = search.escalated_from["found"]
+        only32 = {k: v for k, v in state.changes.items() if k not in was or not _same(was[k], v)}
+        dropped = [k for k in was if k not in state.changes]
+        if dropped:
+            notes.append(f"in float32 the search did without {', '.join(dropped)}, which {spec_dtype} had kept")
         if only32:  # what bf16's noise hid: named, and marked as seen in float32 only
             notes.append(f"shown in float32 only (under {spec_dtype}'s rounding in the {spec_dtype} run): "
                          + "; ".join(words(k, v).removeprefix("your loop ") for k, v in only32.items()))
@@ -826,7 +845,7 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     if full:
         log(f"    explain: in {spec.DTYPE} the explanation agrees at every step; before it is claimed, your loop and the "
             "built-in loop again in float32 on the same rollouts (bf16's rounding hides smaller differences)")
-    else:
+    elif search.below_rounding:
         log(f"    explain: in {spec.DTYPE} the rest is below rounding from step {search.below_rounding['at_step']}: "
             "your loop and the search again in float32 on the same rollouts")
     t0 = time.perf_counter()
@@ -834,6 +853,10 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
         yours, same = float32.your_loop_in_float32(spec32, cell_dir, root)
     except LoopError as e:
         log(f"    explain: your loop in float32 failed ({str(e)[:200]}); the {spec.DTYPE} answer stands")
+        return None
+    if full and same:  # a loop that runs in bf16 whatever DTYPE says cannot be checked in float32
+        log(f"    explain: your loop's float32 run logged exactly its {spec.DTYPE} run (does it read DTYPE from "
+            f"PARITY_SPEC?): the {spec.DTYPE} explanation stands, unchecked")
         return None
     base = scratch_as_trl(spec32)
     envelope = None
@@ -934,6 +957,9 @@ def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
         return []
     facts = chain_facts(base, records)
     norms = {int(s): float(v) for s, v in yours["grad_norm"].dropna().items()} if "grad_norm" in yours.columns else {}
+    if not norms and any("probe" in t for t in mine.values()):
+        log("    identify: your loop saved a parameter slice (Probe) but logs no grad_norm: the optimizer stage needs the "
+            "pre-clip gradient norm of each step (log_step(step, grad_norm=...))")
     scores = round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE) or None
     try:
         found = identify.identify(mine, records, base, facts["eos_ids"], facts.get("pad_id"), norms, chosen,
@@ -983,8 +1009,11 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
     from harness.runlog.tensors import TRAINED_FILE, read_trained
 
     problem = rows_problem(mine, records, spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION)
-    if read_trained(yours_dir / TRAINED_FILE):
-        problem = ("your loop names the completions each step trains on (harness.loop.trained): its steps are read "
+    per_round = spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION
+    chosen = read_trained(yours_dir / TRAINED_FILE)
+    if any(sorted(p) != [((s - 1) // per_round, i) for i in range(len(records[(s - 1) // per_round]["completion_ids"]))]
+           for s, p in chosen.items() if (s - 1) // per_round < len(records)):
+        problem = ("your loop trains on completions of its own choosing (harness.loop.trained): its steps are read "
                    "stage by stage from its own tensors instead")
     if problem:
         log(f"    (the tensor diff is skipped: {problem})")

@@ -35,7 +35,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """What one stage of your loop does, read from its tensors."""
-    stage: str  # advantages | mask | weighting | objective | optimizer
+    stage: str  # one of STAGES: selection | rewards | advantages | mask | weighting | objective | optimizer
     step: int | None  # the step whose tensors were read (None: several)
     rule: str  # in words, of your loop ("centres each group's rewards and divides by its population std + 1e-8")
     settings: dict  # spec fields that make the built-in loop do the same ({}: TRL's as the spec sets it up)
@@ -45,6 +45,7 @@ class Finding:
     unsettled: tuple = ()  # what this run could not tell, in words
     evidence: dict = dataclasses.field(default_factory=dict)
     settles: tuple = ()  # the spec fields this finding settles: the search leaves them as found
+    readable: bool = True  # False: nothing could be read at this step (all advantages 0, a function scoring alike)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,7 +163,7 @@ def rewards_stage(rewards, scores: dict[str, list], spec=None, step=None) -> Fin
     cols = cols[~np.isnan(cols).any(axis=1)] if cols.size else cols
     if w is None and (not cols.size or np.linalg.matrix_rank(cols) < len(scores)):
         return Finding("rewards", step, "cannot be read at this step: a reward function scores every completion alike, "
-                       "so no weights can be told apart", {}, False)
+                       "so no weights can be told apart", {}, False, readable=False)
     if w is None:
         return Finding("rewards", step, "your loop scores the completions with reward code of its own: no weighting of "
                        f"the spec's reward functions ({', '.join(scores)}) gives its rewards", {}, False, no_switch=True)
@@ -170,7 +171,7 @@ def rewards_stage(rewards, scores: dict[str, list], spec=None, step=None) -> Fin
     if spec_w is not None and all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(w, spec_w)):
         return Finding("rewards", step, "your loop weighs the reward functions as the spec does", {}, True,
                        same_as_spec=True, settles=("rewards.weights",))
-    return Finding("rewards", step, f"your loop weighs the reward functions ({', '.join(scores)}) {w}", 
+    return Finding("rewards", step, f"your loop weighs the reward functions ({', '.join(scores)}) {w}",
                    {"rewards.weights": w}, True, settles=("rewards.weights",))
 
 
@@ -186,11 +187,11 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
     r, a = _arr(rewards), _arr(adv)
     if len(r) != len(a) or len(r) == 0 or len(r) % group:
         return Finding("advantages", step, f"cannot be read: {len(r)} rewards and {len(a)} advantages in groups of "
-                       f"{group}", {}, False)
+                       f"{group}", {}, False, readable=False)
     g = r.reshape(-1, group)
     if not np.any(np.abs(a) > 1e-7) and np.all(np.nanstd(g, axis=1) == 0):  # every group's rewards alike
         return Finding("advantages", step, "every advantage is 0 and every group's rewards are alike: nothing to read "
-                       "at this step", {}, False)
+                       "at this step", {}, False, readable=False)
     centred = {"group": (g - np.nanmean(g, axis=1, keepdims=True)).reshape(-1), "batch": r - np.nanmean(r), "none": r}
     tol = lambda x: atol + rtol * np.abs(x)  # noqa: E731
     best = None
@@ -216,11 +217,18 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
         top = mags.max()
         # advantages clipped at one magnitude: those at the top whose own scale is off the group's
         scale_kind, fitted = _scale(s, live, clipped, group, rtol)
-        if scale_kind is None and np.sum(np.isclose(mags, top, rtol=1e-6)) >= 1:
+        if scale_kind is None:
             at_top = live & np.isclose(np.abs(a), top, rtol=1e-6)
             scale_kind, fitted = _scale(s, live & ~at_top, at_top, group, rtol)
-            if scale_kind is not None:
+            # a clip only lowers a magnitude: each value at the top must be at least the top unclipped
+            # (a group whose every live value is at the top has no scale of its own to check against: left out)
+            unclipped = [abs(c[i]) / (fitted if not isinstance(fitted, dict) else fitted[i // group])
+                         for i in np.flatnonzero(at_top) if not isinstance(fitted, dict) or i // group in fitted] \
+                if scale_kind is not None else []
+            if scale_kind is not None and unclipped and all(u >= top * (1 - 10 * rtol) for u in unclipped):
                 clipped = at_top
+            else:
+                scale_kind = None
         if scale_kind is None:
             continue
         best = (centring, (scale_kind, fitted, clipped, top if clipped.any() else None), None)
@@ -231,9 +239,11 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
                                                                                        "advantages": a.tolist()[:8]})
     centring, scaled, empty = best
     if scaled is None:
+        if np.any(np.nanstd(g, axis=1) > 0):  # rewards that differ within a group, every advantage 0
+            return Finding("advantages", step, "your loop's advantages are 0 where the rewards of a group differ: no "
+                           "centring and scaling the stage knows gives that", {}, False, no_switch=True)
         return Finding("advantages", step, f"{empty}: the rewards of every group are equal, nothing to read", {},
-                       True, same_as_spec=True, unsettled=("every advantage was 0 at this step: the scale cannot be "
-                                                           "read",))
+                       False, readable=False)
     kind, fitted, clipped, top = scaled
     return _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step)
 
@@ -292,6 +302,13 @@ def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> F
         else:
             words.append("and divides each group by a factor of its own that no std + epsilon of its rewards gives")
             no_switch = True
+    live_sd = [float(np.nanstd(g[k], ddof=1)) for k in range(len(g)) if np.nanstd(g[k]) > 0]
+    if fit and len(live_sd) > 1 and max(live_sd) - min(live_sd) <= 1e-9 * max(live_sd):
+        unsettled.append("every group's rewards have the same spread at this step: the group's std or the batch's, "
+                         "Bessel's or the population's, each with its own epsilon, fit alike")
+    elif fit and len(live_sd) == 1 and len(g) > 1:
+        unsettled.append("one group's rewards differ at this step: the group's std and the batch's cannot be told "
+                         "apart")
     if fit:
         std, inside, eps, unc = fit["std"], fit["inside"], fit["eps"], fit["unc"]
         settings.update(STD=std, STD_EPS_INSIDE=inside, STD_EPS=eps)
@@ -313,8 +330,9 @@ def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> F
         if "STD_EPS" in settings and unsettled and abs(spec_has["STD_EPS"] - fit["eps"]) <= fit["unc"]:
             settings.pop("STD_EPS")  # the spec's own epsilon is as good as any the run can tell apart
     same = not settings and not no_switch
-    settles = ("ADV_SCALE", "STD", "STD_EPS_INSIDE") + (() if unsettled else ("STD_EPS",)) if fit or kind == "none" \
-        else ()
+    ambiguous = any(u.startswith(("every group's rewards", "one group's rewards")) for u in unsettled)
+    settles = () if ambiguous else ("ADV_SCALE", "STD", "STD_EPS_INSIDE") + (() if unsettled else ("STD_EPS",)) \
+        if fit or kind == "none" else ()
     return Finding("advantages", step, "your loop " + " ".join(words), settings, True, same_as_spec=same,
                    no_switch=no_switch, unsettled=tuple(unsettled), settles=settles if not no_switch else (),
                    evidence={"centring": centring, "scale": kind, **({"eps_estimate": fit["raw"]} if fit else {})})
@@ -376,7 +394,7 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     mine = [[1 if float(x) > 0.5 else 0 for x in row] for row in mask_rows]
     if len(mine) != len(completion_ids):
         return Finding("mask", step, f"cannot be read: {len(mine)} mask rows for {len(completion_ids)} completions",
-                       {}, False)
+                       {}, False, readable=False)
     out = [(i, t) for i, (m, ref) in enumerate(zip(mine, trl)) for t in range(len(ref))
            if ref[t] == 1 and (t >= len(m) or m[t] == 0)]
     extra_in = [(i, t) for i, (m, ref) in enumerate(zip(mine, trl)) for t in range(len(ref))
@@ -422,6 +440,7 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
                 rules.append(f"counts only the first {k} tokens of each completion")
                 no_switch = True
                 left = set()
+    unexplained = bool(left)
     if left:
         i, t = sorted(left)[0]
         rules.append(f"leaves {len(left)} other token(s) out that no rule on their id, position or eos explains "
@@ -429,19 +448,28 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
         no_switch = True
     if padding:
         rules.append(f"counts {len(padding)} padding position(s) after short completions in the loss")
-        settings["COMPLETION_MASK"] = "all"
+        if settings.get("COMPLETION_MASK") == "no_eos":  # two mask rules at once: no one switch does both
+            no_switch = True
+            settings.pop("COMPLETION_MASK")
+        else:
+            settings["COMPLETION_MASK"] = "all"
     if extra_in:
         rules.append(f"counts {len(extra_in)} token(s) TRL leaves out")
         no_switch = True
+    # what this step can show: truncation only where a completion is truncated, the eos rule only where one ends
+    # with an eos, the padding only where lengths differ
+    shows = (("MASK_TRUNCATED",) if any(truncated) else ()) + (
+        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ())
     if not rules:
         return Finding("mask", step, "your loop counts every completion token through the eos, as TRL does", {},
-                       True, same_as_spec=True, evidence=ev, settles=("COMPLETION_MASK", "MASK_TRUNCATED"))
+                       True, same_as_spec=True, evidence=ev, settles=shows)
     spec_mask = getattr(spec, "COMPLETION_MASK", "eos") if spec else "eos"
     settings = {k: v for k, v in settings.items() if not (k == "COMPLETION_MASK" and v == spec_mask)
                 and not (k == "MASK_TRUNCATED" and v == mask_trunc)}
-    exact = not any("no rule" in r for r in rules)
+    exact = not unexplained
     return Finding("mask", step, "your loop " + "; ".join(rules), settings, exact, no_switch=no_switch, evidence=ev,
-                   settles=("COMPLETION_MASK", "MASK_TRUNCATED") if exact and not no_switch else ())
+                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED") if k in settings or k in shows)
+                   if exact and not no_switch else ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +489,7 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
     n = len(rows)
     loss = float(loss)
     if not n or not math.isfinite(loss):
-        return Finding("weighting", step, f"cannot be read (loss {loss:g}, {n} rows)", {}, False)
+        return Finding("weighting", step, f"cannot be read (loss {loss:g}, {n} rows)", {}, False, readable=False)
     total = float(sums.sum())
     values = {"sequence": float(np.mean(sums / np.maximum(counts, 1.0))),
               "token_global": total / max(float(counts.sum()), 1.0),
@@ -479,7 +507,7 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
                                      "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)"}
     if not np.any(np.abs(sums) > 1e-12) and abs(loss) <= atol:  # nothing trains at this step (every advantage 0)
         return Finding("weighting", step, "nothing to read at this step: the per-token losses and the loss are 0 (every "
-                       "advantage 0)", {}, False)
+                       "advantage 0)", {}, False, readable=False)
     close = lambda v: abs(v - loss) <= atol + rtol * abs(loss)  # noqa: E731
     hits = [(k, 1) for k, v in values.items() if close(v)]
     hits += [(k, grad_accum) for k, v in values.items() if grad_accum > 1 and close(v / grad_accum)
@@ -487,6 +515,9 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
     spec_norm = ("sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")) if spec else None
     if spec_norm == "token_local" and grad_accum == 1:  # one micro-batch: bnpo is dapo
         spec_norm = "token_global"
+    if spec_norm == "token_local" and not any(close(v) for v in values.values()):
+        return Finding("weighting", step, "cannot be read: the spec's loss type averages per micro-batch of a shuffled "
+                       "round, which these tensors cannot recompute", {}, False, readable=False)
     if hits:
         if spec_norm and any(k == spec_norm and f == 1 for k, f in hits):
             alike = list(dict.fromkeys(k for k, _ in hits if k != spec_norm))
@@ -506,7 +537,7 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
                        settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"))
     if abs(total) < 1e-3 * max(float(np.abs(sums).sum()), 1e-30) or loss == 0:
         return Finding("weighting", step, "cannot be read: the masked per-token losses sum to nearly 0 or the loss "
-                       "is 0", {}, False)
+                       "is 0", {}, False, readable=False)
     d = total / loss
     longest = max(lengths) if lengths else 0
     cands = {"the loss's tokens": counts.sum(), "every completion token (the mask's dropped tokens too)": sum(lengths),
@@ -555,7 +586,8 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     old = cat(old_logps) if old_logps is not None else lp
     ref = cat(ref_logps)
     if ptl is None or lp is None or len(ptl) != len(a) or not len(ptl):
-        return Finding("objective", step, "cannot be read (per_token_loss, logps and advantages are needed)", {}, False)
+        return Finding("objective", step, "cannot be read (per_token_loss, logps and advantages are needed)", {}, False,
+                       readable=False)
     ratio = np.exp(lp - old)
     tol = atol + rtol * np.abs(ptl)
     forms = {"ratio": -np.minimum(ratio * a, np.clip(ratio, 1 - clip_low, 1 + clip_high) * a), "logp": -lp * a}
@@ -567,6 +599,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
             break
         if ref is None:
             continue
+        fits = []  # every estimator (and ratio factor) that fits: for a small log-ratio k2 and k3 look alike
         for est in ("k3", "k1", "k2"):
             for factor in (True, False):
                 k = _kl(lp, ref, est) * (ratio if factor else 1.0)
@@ -574,11 +607,14 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                     continue
                 beta = float(np.dot(k, resid) / np.dot(k, k))
                 if beta > 0 and np.all(np.abs(resid - beta * k) <= tol + 1e-6 * beta):
-                    out = (form, pg, (est, beta, factor))
-                    break
-            if out:
-                break
-        if out:
+                    fits.append((est, beta, factor))
+        if fits:
+            out = (form, pg, fits[0])
+            ests = list(dict.fromkeys(e for e, _, _ in fits))
+            if len(ests) > 1:
+                betas = [b for _, b, _ in fits]
+                unsettled.append(f"the KL estimators {', '.join(ests)} fit alike at this step (a small log-ratio), "
+                                 f"with weights {min(betas):.3g} to {max(betas):.3g}")
             break
     settings, words = {}, []
     if out is None:
@@ -588,7 +624,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
         if old_logps is None:
             return Finding("objective", step, "cannot be read: your per-token loss is not -A (+ a KL term) with the "
                            "ratio taken as 1; where the ratio is not 1 (a second pass, old log-probs from another "
-                           "pass) the stage needs old_logps saved", {}, False)
+                           "pass) the stage needs old_logps saved", {}, False, readable=False)
         return Finding("objective", step, "your per-token loss is not -min(ratio A, clip(ratio) A) + beta KL (k1, k2 "
                        "or k3, with or without the ratio factor) nor -logp A with the same inputs", {}, False,
                        no_switch=True)
@@ -613,6 +649,9 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     elif ref is not None and np.any(np.abs(ref - lp) > 1e-6):
         words.append("saves a per-token loss with no KL term in it, though it saves reference log-probs (a KL "
                      "aggregated apart, or none)")
+        k3 = np.abs(_kl(lp, ref, "k3")).max()
+        unsettled.append(f"a KL weight below about {float(np.max(tol)) / max(k3, 1e-30):.2g} would not show at this "
+                         "step (the reference is that close to the policy)")
     elif ref is not None:
         unsettled.append("the reference model's log-probs equal the policy's at this step (it starts from them): a "
                          "KL term is 0 in value here")
@@ -629,7 +668,8 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
     # a KL term can show in value (the reference apart from the policy), and one was found: a per-token loss saved
     # without it (a KL aggregated apart, as verl's) says nothing of the weight
-    seen = ref is not None and np.any(np.abs(ref - lp) > 1e-6) and kl is not None
+    seen = ref is not None and np.any(np.abs(ref - lp) > 1e-6) and kl is not None and not any(
+        u.startswith("the KL estimators") for u in unsettled)
     settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if seen else ()
     return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
                    unsettled=tuple(unsettled), settles=settles,
@@ -743,10 +783,24 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     rows = [r for r in probe_rows if r]
     if len(rows) < 2 or len(grad_norms) < len(rows):
         return Finding("optimizer", None, f"cannot be read: {len(rows)} probed step(s) with gradient norms (at least 2 "
-                       "are needed to tell Adam's betas)", {}, False)
+                       "are needed to tell Adam's betas)", {}, False, readable=False)
+    never = {j for j in range(len(rows[0]["names"])) if all(r["grad"][j] is None for r in rows)}
+    if never:  # parameters outside the loss's graph: they have no gradient and Adam leaves them be
+        rows = [{k: [x for j, x in enumerate(v) if j not in never] for k, v in r.items()} for r in rows]
     names = rows[0]["names"]
     before = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["before"]]) for r in rows]
     after = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["after"]]) for r in rows]
+    if any(g is None for r in rows for g in r["grad"]):  # a step whose backward was skipped: Adam did not step there
+        keep = [i for i, r in enumerate(rows) if all(g is not None for g in r["grad"])]
+        if any(i != j for i, j in zip(keep, range(len(keep)))):  # (only a skip at the end leaves Adam's count as read)
+            return Finding("optimizer", None, "cannot be read: a probed step before others had no gradient at all (a "
+                           "skipped backward), so Adam's step count there is not known", {}, False, readable=False)
+        rows, grad_norms = [rows[i] for i in keep], [grad_norms[i] for i in keep]
+        before = before[:len(keep)]
+        after = after[:len(keep)]
+        if len(rows) < 2:
+            return Finding("optimizer", None, "cannot be read: fewer than 2 probed steps with a gradient", {}, False,
+                           readable=False)
     grads = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["grad"]]) for r in rows]
     decay = np.concatenate([np.full(len(x), not ("bias" in n or "norm" in n.lower()))
                             for n, x in zip(names, rows[0]["before"])])
@@ -782,10 +836,14 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     # what the run can tell: values whose residual stays within 1.5x the best (or a floor) are alike; of those the
     # round value the commonest first (the grids' order), else the fitted value
     floor = max(res * 1.5, 1e-6)
+    # of values alike, the spec's own (nothing to name), else the grid's commonest
+    prefer = lambda alike, own: own if own in alike else alike[0]  # noqa: E731
+    alike_b1 = [x for x in _BETA1 if score(x, b2, eps, clip)[2] <= floor]
+    b1 = prefer(alike_b1, getattr(spec, "ADAM_BETA1", None)) if alike_b1 else b1
     alike_b2 = [x for x in _BETA2 if score(b1, x, eps, clip)[2] <= floor]
-    b2 = alike_b2[0] if alike_b2 else float(f"{b2:.4g}")
+    b2 = prefer(alike_b2, getattr(spec, "ADAM_BETA2", None)) if alike_b2 else float(f"{b2:.4g}")
     alike_eps = [e for e in _ADAM_EPS if score(b1, b2, e, clip)[2] <= floor]
-    eps = alike_eps[0] if alike_eps else eps
+    eps = prefer(alike_eps, getattr(spec, "ADAM_EPS", None)) if alike_eps else eps
     alike_clip = sorted({clip, *(c for c in clips if score(b1, b2, eps, c)[2] <= floor)})
     nice = [c for c in (1.0, 0.5, 0.2, 0.1, 2.0, 5.0) if c in alike_clip]
     clip = nice[0] if nice and math.isfinite(clip) else clip  # a round threshold the run cannot tell from the fit
@@ -795,7 +853,7 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     known = [(t, x) for t, x in enumerate(lrs) if x is not None]  # (a step with no gradient says no rate)
     if not known:
         return Finding("optimizer", None, "cannot be read: no probed step had a gradient (every advantage 0)", {},
-                       False)
+                       False, readable=False)
     lr = max(x for _, x in known)
     peak = float(f"{lr:.4g}")
     settings["LR"] = peak
@@ -813,6 +871,8 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     words.append(f"steps Adam at a learning rate of {peak:g} ({sched})")
     settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
     words.append(f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}")
+    if len(alike_b1) > 1:
+        unsettled.append(f"Adam's beta1: {', '.join(f'{x:g}' for x in alike_b1)} fit the probed steps alike")
     if len(alike_b2) > 1:
         unsettled.append(f"Adam's beta2: {', '.join(f'{x:g}' for x in alike_b2)} fit the probed steps alike")
     if len(alike_eps) > 1:
@@ -859,13 +919,15 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         has = {k: getattr(spec, k) for k in settings}
         settings = {k: v for k, v in settings.items() if not _same(has[k], v)
                     and not (k == "MAX_GRAD_NORM" and not v and not has[k])}
-    settles = ("LR", "LR_SCHEDULE", "ADAM_BETA1")
+    # the rate is settled where every probed step read one and they follow a schedule; a field with look-alikes is not
+    settles = ("LR", "LR_SCHEDULE") if len(known) == len(lrs) and len(known) >= 2 else ()
+    settles += () if len(alike_b1) > 1 else ("ADAM_BETA1",)
     settles += () if len(alike_b2) > 1 else ("ADAM_BETA2",)
     settles += () if len(alike_eps) > 1 else ("ADAM_EPS",)
     settles += () if any(u.startswith("weight decay") for u in unsettled) else ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL")
     settles += () if any("max_grad_norm" in u for u in unsettled) else ("MAX_GRAD_NORM",)
     if any(u.startswith("the learning rate per step") for u in unsettled):
-        settles = tuple(k for k in settles if k != "LR_SCHEDULE")
+        settles = tuple(k for k in settles if k not in ("LR", "LR_SCHEDULE"))
         settings.pop("LR_SCHEDULE", None)
     return Finding("optimizer", None, "your loop " + " ".join(words), settings, exact,
                    same_as_spec=not settings, unsettled=tuple(unsettled), settles=settles if exact else (),
@@ -921,16 +983,22 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     G = spec.GROUP_SIZE
     found: dict[str, list[Finding]] = {k: [] for k in STAGES}
     weights = [float(w) for w in spec.rewards.weights]
-    round_rewards = [[sum(w * (v if v is not None else float("nan")) for w, v in zip(weights, col))
-                      for col in zip(*sc.values())] for sc in scores] if scores else None
+    # each completion's total as TRL and the built-in loop sum it: a failed score counts 0, all failed is NaN
+    round_rewards = [[sum(w * v for w, v in zip(weights, col) if v is not None) if any(v is not None for v in col)
+                      else float("nan") for col in zip(*sc.values())] for sc in scores] if scores else None
     if chosen:
         sizes = [len(rec["completion_ids"]) for rec in records]
         eos = set(eos_ids)
         found["selection"].append(selection(
             chosen, sizes, G, per_round, round_rewards, [[len(c) for c in rec["completion_ids"]] for rec in records],
             [[not c or c[-1] not in eos for c in rec["completion_ids"]] for rec in records], chosen_path))
+    bf16 = getattr(spec, "DTYPE", "float32") != "float32"  # losses computed under autocast: looser tolerances
+    tol = {"rtol": 1e-2, "atol": 1e-4} if bf16 else {}
     for step in sorted(mine):
-        t = mine[step]
+        t = dict(mine[step])
+        adv_rows = t.get("advantages")
+        if isinstance(adv_rows, list) and adv_rows and isinstance(adv_rows[0], list):  # per token (verl's (B, T))
+            t["advantages"] = [row[0] if row else 0.0 for row in adv_rows]  # (constant along a completion's tokens)
         if chosen and step in chosen:  # the rows your loop named, in its order
             picks = chosen[step]
             if any(r >= len(records) for r, _ in picks):
@@ -956,18 +1024,18 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
             found["mask"].append(mask(t["mask"], comps, eos_ids, spec, pad_id, spec.MAX_TOKENS, step=step))
         if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
             w = weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), lengths, spec.GRAD_ACCUM,
-                          spec.MAX_TOKENS, spec, step=step)
+                          spec.MAX_TOKENS, spec, step=step, **tol)
         obj = None
         if all(k in t for k in ("per_token_loss", "advantages", "logps", "mask")) and _rows_of(t["logps"], len(comps)):
             obj = objective(t["per_token_loss"], t["advantages"], t["logps"], t["mask"], lengths, t.get("old_logps"),
-                            t.get("ref_logps"), spec, step=step)
+                            t.get("ref_logps"), spec, step=step, **tol)
             found["objective"].append(obj)
         if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
             kl = (obj.evidence.get("kl") if obj is not None and obj.exact else None)
             weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings  # (a constant divisor fits any one step)
             if kl and weak:  # what it logs may leave the KL term out (verl logs it apart)
                 w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), lengths, spec.GRAD_ACCUM,
-                               spec.MAX_TOKENS, spec, step=step)
+                               spec.MAX_TOKENS, spec, step=step, **tol)
                 if w2.exact and not w2.no_switch:
                     w = dataclasses.replace(w2, rule=w2.rule + "; what it logs as its loss leaves the KL term out "
                                             "(logged otherwise than trained: not a difference in training)",
@@ -1000,10 +1068,19 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
         if cands:
             # the reading that says most: exact, least left unsettled, most settled (a step where a KL term or the
             # ratio can show at all), then the earliest
-            best = min(cands, key=lambda f: (not f.exact, len(f.unsettled), -len(f.settles), f.step or 0))
+            best = min(cands, key=lambda f: (not f.readable, not f.exact, len(f.unsettled), -len(f.settles),
+                                             f.step or 0))
             logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings),
                           None)
-            out.append(dataclasses.replace(best, rule=logged.rule) if logged and logged is not best else best)
+            if logged and logged is not best:
+                best = dataclasses.replace(best, rule=logged.rule)
+            others = [f for f in cands if f.exact and f.readable and f is not best and f.settings != best.settings
+                      and stage not in ("optimizer", "selection")]
+            if best.exact and others:  # steps that read other rules: none is settled, each is said
+                said = "; ".join(f"at step {f.step}: {f.rule.removeprefix('your loop ')}" for f in others[:2])
+                best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
+                    f"other steps read otherwise ({said}): the search decides",))
+            out.append(best)
     return out
 
 
@@ -1031,20 +1108,25 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else float("nan")
 
 
-def settings_of(findings: list[Finding]) -> tuple[dict, tuple]:
-    """What the exact findings set (spec fields for the built-in loop) and the fields they settle."""
-    changes, settles = {}, []
+def settings_of(findings: list[Finding]) -> tuple[dict, dict, tuple]:
+    """(fixed, guess, settled): what the exact findings set that they also settle (where the search starts, and what
+    it never changes), what they set without settling (a value the run could not tell from others: the search's first
+    guess, kept only if it helps, changed if another does better), and the fields settled."""
+    fixed, guess, settles = {}, {}, []
     for f in findings:
-        if f.exact:
-            changes.update(f.settings)
+        if f.exact and f.readable:
+            for k, v in f.settings.items():
+                (fixed if k in f.settles else guess)[k] = v
             settles += list(f.settles)
-    return changes, tuple(dict.fromkeys(settles))
+    return fixed, {k: v for k, v in guess.items() if k not in fixed}, tuple(dict.fromkeys(settles))
 
 
 def words(findings: list[Finding]) -> list[str]:
     """One sentence per finding that differs from the spec, and one per thing the run could not tell."""
     out = []
     for f in findings:
+        if not f.readable:  # nothing read at any step: not a rule of your loop
+            continue
         if not f.same_as_spec:
             how = "read from your tensors" + (f" at step {f.step}" if f.step else "") + ("" if f.exact else
                                                                                       " (partly: no rule fits all)")

@@ -27,8 +27,8 @@ def _plain(value, name: str | None = None):
     per-completion ones (B,) joined."""
     if isinstance(value, (list, tuple)) and any(hasattr(v, "tolist") for v in value):
         parts = [_plain(v) for v in value]
-        if name in PER_TOKEN:
-            return [row for p in parts for row in (p if p and isinstance(p[0], list) else [p])]
+        if name in PER_TOKEN:  # (an empty micro-batch, (0, T), adds no row)
+            return [row for p in parts if p != [] for row in (p if isinstance(p[0], list) else [p])]
         if name in PER_ROW:
             return [x for p in parts for x in (p if isinstance(p, list) else [p])]
         raise ValueError(f"{name}: one number for the step (the loss or gradient norm as you log it), got a list of "
@@ -74,6 +74,9 @@ def write_trained(path: str | Path, step: int, rows) -> None:
     """Append step `step`'s completions, as (round, index within the round) pairs, to `path`."""
     pairs = []
     for item in rows:
+        if not hasattr(item, "__len__") or len(item) != 2:
+            raise ValueError(f"trained: step {step}: rows are (round, index) pairs, [(0, 3), (0, 4), ...]; got "
+                             f"{item!r} among them")
         r, i = (int(x) for x in item)
         if r < 0 or i < 0:
             raise ValueError(f"trained: step {step}: ({r}, {i}) is not a (round, index) pair of non-negative integers")
@@ -83,8 +86,9 @@ def write_trained(path: str | Path, step: int, rows) -> None:
 
 
 def read_trained(path: str | Path) -> dict[int, list[tuple[int, int]]]:
-    """{step: [(round, index), ...]} from a trained.jsonl ({} when there is none; a later line for a step replaces an
-    earlier one). A line that is not {"step": int, "rows": [[int, int], ...]} is a ValueError naming it."""
+    """{step: [(round, index), ...]} from a trained.jsonl ({} when there is none; several lines for one step add up, in
+    order: a loop may call trained() once per micro-batch). A line that is not {"step": int, "rows": [[int, int], ...]}
+    is a ValueError naming it."""
     out: dict[int, list[tuple[int, int]]] = {}
     path = Path(path)
     if not path.exists():
@@ -100,5 +104,5 @@ def read_trained(path: str | Path) -> dict[int, list[tuple[int, int]]]:
             raise ValueError(f"{path.name}:{n}: not {{\"step\": 1, \"rows\": [[round, index], ...]}}: {line[:120]!r}")
         if not isinstance(step, int) or step < 1:
             raise ValueError(f"{path.name}:{n}: step must be an integer from 1, got {step!r}")
-        out[step] = pairs
+        out.setdefault(step, []).extend(pairs)
     return out
