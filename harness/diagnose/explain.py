@@ -549,7 +549,8 @@ class Search:
             trace.append({"at_step": state.agree + 1, "changes": added, "agree_before": state.agree,
                           "agree_after": best.agree, "from_tensors": bool(exact) and best is exact[0],
                           "guessed_from_tensors": not guessed_by, **({"guessed_by": guessed_by} if guessed_by else {})})
-            self.log(f"    explain: {guessed_by or 'the tensor diff'}'s {_with(added, 'guess,')}: "
+            self.log(f"    explain: {guessed_by + chr(39) + 's' if guessed_by else 'the tensors' + chr(39)} "
+                     f"{_with(added, 'guess,')}: "
                      + _said(best, self.steps))
             state = best
         while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
