@@ -145,8 +145,8 @@ class Probe:
 
     and log the pre-clip `grad_norm` each step (log_step). With fp16 loss scaling call `before` after
     `scaler.unscale_(optimizer)`, so that the gradient read is the one the logged norm measures. It reads `per_param`
-    evenly spaced elements of up to
-    `max_params` parameters spread over `model.named_parameters()` (a few thousand numbers a step), for the first
+    evenly spaced elements of up to `max_params` parameters spread over `model.named_parameters()` (a few thousand
+    numbers a step), for the first
     `steps` optimizer steps (default: 4, or the spec's `[loop] tensor_steps` where that is more), into PARITY_TENSORS;
     outside the harness it does nothing. Duck-typed: any framework whose parameters index like torch tensors
     (`p.detach().reshape(-1)[idx]`, `.tolist()`)."""
@@ -165,7 +165,8 @@ class Probe:
         self.steps, self._pending = steps, None
 
     def read(self, grads: bool = False) -> dict:
-        """{"names", "before": the picked weights, "grad": their gradients (with grads=True; 0 where none)}."""
+        """{"names", "before": the picked weights, "grad": their gradients (with grads=True; None where a parameter
+        has none: a skipped backward, or one outside the loss)}."""
         out = {"names": [n for n, _, _ in self.picks], "before": [_values(p, idx) for _, p, idx in self.picks]}
         if grads:
             out["grad"] = [_values(p.grad, idx) if getattr(p, "grad", None) is not None else None
