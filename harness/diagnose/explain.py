@@ -1009,11 +1009,11 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
         return None
     from harness.runlog.tensors import TRAINED_FILE, read_trained
 
-    problem = rows_problem(mine, records, spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION)
     per_round = spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION
+    problem = rows_problem(mine, records, per_round)
     chosen = read_trained(yours_dir / TRAINED_FILE)
-    if any(sorted(p) != [((s - 1) // per_round, i) for i in range(len(records[(s - 1) // per_round]["completion_ids"]))]
-           for s, p in chosen.items() if (s - 1) // per_round < len(records)):
+    sizes = [len(rec["completion_ids"]) for rec in records]
+    if chosen and not identify.selection(chosen, sizes, spec.GROUP_SIZE, per_round).same_as_spec:
         problem = ("your loop trains on completions of its own choosing (harness.loop.trained): its steps are read "
                    "stage by stage from its own tensors instead")
     if problem:

@@ -55,11 +55,6 @@ def _arr(value) -> np.ndarray:
     return np.asarray(value, dtype=np.float64).reshape(-1)
 
 
-def _rows(value, lengths) -> list[np.ndarray]:
-    """Per-token rows cut to each completion's length."""
-    return [np.asarray(r[:n], dtype=np.float64) for r, n in zip(value, lengths)]
-
-
 # round values a measured setting snaps to when it is within the run's resolution of one
 _NICE_EPS = (1e-8, 0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-7, 1e-10, 1e-12)
 
