@@ -184,8 +184,9 @@ def test_objective_clip_bound_read_from_clipped_tokens():
 
 
 def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, steps: int = 4, linear: bool = False,
-               decay_all: bool = False):
-    """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes."""
+               decay_all: bool = False, scale: float = 1.0):
+    """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes (`scale`: its
+    weights' size, against which the updates' rounding goes)."""
     from harness.loop import Probe
 
     torch.manual_seed(seed)
@@ -199,6 +200,9 @@ def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, 
             return self.down(self.norm(self.up(x)))
 
     model = Net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
     skip = (lambda n: False) if decay_all else (lambda n: "bias" in n or "norm" in n.lower())
     decay = [p for n, p in model.named_parameters() if not skip(n)]
     rest = [p for n, p in model.named_parameters() if skip(n)]
@@ -324,3 +328,16 @@ def test_trained_rows_add_up_over_calls_and_every_step_needs_some(tmp_path):
     _check_trained(path, rollouts, [1])
     with pytest.raises(LoopError, match="step 2 trained on no completion"):
         _check_trained(path, rollouts, [1, 2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_optimizer_beta2_at_a_small_learning_rate(seed):
+    """At lr 1e-5 an update is a few ulps of a weight: the fit's residual is the weights' rounding, and a wrong beta2
+    (the spec's 0.99) that per-step rates half absorb fits only a little worse over many elements. It must still lose
+    (the old rule, alike within 1.5x of the best residual, kept the spec's 0.99: a public loop parted at step 11).
+    Over 6 steps some draws leave 0.99 within the noise (seeds 3 and 5 of 0-8): there it is said as unsettled."""
+    rows, norms = _adamw_run(seed, 1e-5, (0.9, 0.999), 1e-8, 0.0, 0.0, steps=6, scale=4.0)
+    f = identify.optimizer(rows, norms, SPEC, steps_total=10)
+    assert f.settings.get("ADAM_BETA2") == 0.999, f
+    assert f.exact and "LR_SCHEDULE" not in f.settings and not any("schedule" in u for u in f.unsettled), f
+    assert f.settings["LR"] == pytest.approx(1e-5, rel=2e-3), f

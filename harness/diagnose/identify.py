@@ -828,9 +828,13 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
         b2 = 1 - b2
         b1 = min(_BETA1, key=lambda x: score(x, b2, eps, clip)[2])
     lrs, wds, res = score(b1, b2, eps, clip)
-    # what the run can tell: values whose residual stays within 1.5x the best (or a floor) are alike; of those the
-    # round value the commonest first (the grids' order), else the fitted value
-    floor = max(res * 1.5, 1e-6)
+    # what the run can tell: values whose residual stays within the fit's own noise of the best are alike; of those
+    # the round value the commonest first (the grids' order), else the fitted value. The residual of a right
+    # hypothesis is the weights' float32 rounding (an update of lr x O(1) is a few ulps of a weight), so a wrong
+    # beta2 that a per-step rate half absorbs shows as a small excess over many elements: the margin shrinks with
+    # their number (3 standard deviations of a chi-square's relative spread, at least 2% of the squared residual)
+    n = sum(len(u) for u in updates)
+    floor = max(res * _alike(n), 1e-6)
     # of values alike, the spec's own (nothing to name), else the grid's commonest
     prefer = lambda alike, own: own if own in alike else alike[0]  # noqa: E731
     alike_b1 = [x for x in _BETA1 if score(x, b2, eps, clip)[2] <= floor]
@@ -843,18 +847,21 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     nice = [c for c in (1.0, 0.5, 0.2, 0.1, 2.0, 5.0) if c in alike_clip]
     clip = nice[0] if nice and math.isfinite(clip) else clip  # a round threshold the run cannot tell from the fit
     lrs, wds, res = score(b1, b2, eps, clip)
-    exact = res < 1e-3
+    rounding = _rounding(after, updates)
+    exact = res < max(1e-3, 1.5 * rounding)  # (no rule fits better than the weights' own rounding)
     unsettled, settings, words = [], {}, []
     known = [(t, x) for t, x in enumerate(lrs) if x is not None]  # (a step with no gradient says no rate)
     if not known:
         return Finding("optimizer", None, "cannot be read: no probed step had a gradient (every advantage 0)", {},
                        False, readable=False)
-    lr = max(x for _, x in known)
+    lr_tol = max(1e-3, 2 * res)  # each step's rate carries the fit's own noise
+    middle = float(np.median([x for _, x in known]))  # a constant rate: the middle of the steps' noisy readings
+    lr = middle if all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known) else max(x for _, x in known)
     peak = float(f"{lr:.4g}")
     settings["LR"] = peak
     sched = "constant"
-    if steps_total and len(known) >= 2 and not all(math.isclose(x, known[0][1], rel_tol=1e-3) for _, x in known):
-        if all(math.isclose(x, peak * (1 - t / steps_total), rel_tol=1e-3) for t, x in known):
+    if steps_total and len(known) >= 2 and not all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known):
+        if all(math.isclose(x, peak * (1 - t / steps_total), rel_tol=lr_tol) for t, x in known):
             sched = "linear"
         else:
             unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") follows "
@@ -888,7 +895,7 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     if rest_wd and wd:  # the norms and biases decayed too, at the same rate?
         w_rest = float(np.mean([w for w, _ in rest_wd]))
         se_rest = 4 * math.sqrt(sum(s * s for _, s in rest_wd)) / len(rest_wd)
-        if abs(w_rest - wd) <= max(se_rest, 0.05 * wd) and abs(w_rest) > se_rest:
+        if abs(w_rest - wd) <= max(math.hypot(se_rest, wd_unc), 0.05 * wd) and abs(w_rest) > se_rest:
             settings["WEIGHT_DECAY_ALL"] = True
             words.append("on every parameter, norms and biases too (transformers' Trainer, so TRL, leaves them out)")
         elif abs(w_rest) > se_rest:
@@ -927,6 +934,21 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     return Finding("optimizer", None, "your loop " + " ".join(words), settings, exact,
                    same_as_spec=not settings, unsettled=tuple(unsettled), settles=settles if exact else (),
                    evidence={"residual": res, "lrs": lrs, "weight_decays": wds})
+
+
+def _alike(n: int) -> float:
+    """How far above the best relative residual another hypothesis may fit and still be alike, for a fit over n
+    elements: 3 standard deviations of a chi-square's relative spread (sqrt(2 / n)) on the squared residual, at least
+    2% of it."""
+    return math.sqrt(1 + max(3 * math.sqrt(2 / max(n, 1)), 0.02))
+
+
+def _rounding(after, updates) -> float:
+    """The relative residual the weights' float32 rounding alone leaves: each stored weight is within half an ulp of
+    its exact value (uniform: ulp^2 / 12)."""
+    noise = sum(float(np.sum(np.spacing(np.abs(a).astype(np.float32)).astype(np.float64) ** 2)) / 12 for a in after)
+    total = sum(float(np.sum(u ** 2)) for u in updates)
+    return math.sqrt(noise / total) if total > 0 else 0.0
 
 
 def _clip_setting(alike, norms, spec) -> float:
