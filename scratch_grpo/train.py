@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import random
 import time
 import types
@@ -32,13 +31,6 @@ from harness.rollouts.fastgen import sample_policy, static_decoder_for
 from harness.rollouts.generate import pad_left, pad_right
 from harness.rollouts.lockstep import shuffle_seed
 from scratch_grpo import core
-
-
-# The rounds through prepare() and optimizer_step(), the one step function the selection path (a loop's own choice of
-# completions) uses. On CPU it trains bit for bit as the round loop (tests/test_selection.py); no GPU run has checked it
-# yet (no device could be started in the session that wrote it), so the round loop stays the default until one does:
-# GRPO_PARITY_SCRATCH_STEP=unified switches to it.
-_UNIFIED = os.environ.get("GRPO_PARITY_SCRATCH_STEP", "") == "unified"
 
 
 def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -158,7 +150,12 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
         lr=spec.LR, betas=(spec.ADAM_BETA1, spec.ADAM_BETA2), eps=spec.ADAM_EPS, fused=True)
-    scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS))
+    if spec.LR_STEPS:  # a schedule of your loop's own, one rate per step (a quirk: TRL's are named schedules)
+        rates = [float(r) for r in spec.LR_STEPS]
+        scheduler = LambdaLR(optimizer, lambda s: rates[min(s, len(rates) - 1)] / spec.LR)
+    else:
+        scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS,
+                                                                     spec.WARMUP_STEPS))
 
     extra = {"checkpoint": str(ckpt), "sampler": describe_sampler(spec),
              "generation": (decoder.describe() if decoder else sampler.describe() if sampler
@@ -374,204 +371,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         at.t0 = time.perf_counter()
 
     with writer:
-        if selection is None and not _UNIFIED:  # the round loop as a GPU run last checked it (see _UNIFIED)
-            step, tokens_seen, prompts_seen = 0, 0, 0
-            stopped = False
-            for r in range(rounds):
-                if stopped:
-                    break
-                t0 = time.perf_counter()
-                if device.startswith("cuda"):
-                    torch.cuda.reset_peak_memory_stats()
-                # ---- 1. prompts of this round, each repeated G times (a group) --------------------------------
-                idx = schedule[r]
-                seq_rows = [rows[i] for i in idx for _ in range(G)]
-                prompt_ids = [prompt_tokens[i] for i in idx for _ in range(G)]
-                N = len(prompt_ids)
-
-                # ---- 2. rollouts: our own sampling, a separate sampler, or given from outside ------------------
-                sampler_logps = None
-                t_gen = time.perf_counter()
-                model.eval()
-                if rollout_source is not None:
-                    completion_ids, sampler_logps = rollout_source(r, prompt_ids, model)
-                elif sampler is not None:
-                    sampler.sync_weights(model)
-                    completion_ids, sampler_logps = sampler.generate(prompt_ids)
-                else:
-                    completion_ids = sample_policy(decoder, spec, model, prompt_ids, eos_ids=eos_ids, pad_id=pad_id,
-                                                   device=device)
-                model.train()
-                gen_s = time.perf_counter() - t_gen  # completions are host lists here: the GPU work is done
-                completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-
-                # ---- 3. rewards r_i (weighted sum of functions) and advantages A_i ------------------------------
-                metric_sink: dict[str, list[float]] = {}
-                log_metric = lambda name, value: metric_sink.setdefault(name, []).append(value)  # noqa: E731
-                columns = {k: [row[k] for row in seq_rows] for k in seq_rows[0] if k != "prompt"}
-                rewards_per_func = torch.zeros(N, len(reward_fns), device=device)
-                for j, (name, fn) in enumerate(zip(reward_names, reward_fns)):
-                    out = call_reward(fn, [row["prompt"] for row in seq_rows], completions, completion_ids, columns, step,
-                                      spec.STEPS, log_metric)
-                    rewards_per_func[:, j] = torch.tensor(check_rewards(fn.__name__, out, N), device=device)
-                rewards = (rewards_per_func * reward_w).nansum(dim=1)
-                rewards = core.shape_rewards(rewards, spec.REWARD_CLIP)  # a quirk when > 0: TRL takes the sum as it is
-                advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
-                                                             spec.STD_EPS_INSIDE)
-
-                # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
-                p_ids, p_mask = pad_left(prompt_ids, pad_id)
-                c_ids, c_mask = pad_right(completion_ids, pad_id)
-                # TRL counts a completion as truncated when its last token is neither an eos nor the pad token
-                truncated = torch.tensor([not ids or ids[-1] not in (*eos_ids, pad_id) for ids in completion_ids])
-                if spec.MASK_TRUNCATED:
-                    c_mask = c_mask * (~truncated).unsqueeze(1).long()
-                p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
-                # the tokens the loss counts: the completion mask (TRL), or a quirk's (no eos, or the padding too)
-                ends_with_eos = torch.tensor([bool(ids) and ids[-1] in eos_ids for ids in completion_ids], device=device)
-                l_mask = core.loss_mask(c_mask, ends_with_eos, spec.COMPLETION_MASK)
-                # token_global's denominator: the active tokens of one step's share of the round (TRL: num_items_in_batch
-                # of the generation batch x gradient_accumulation_steps / steps_per_generation)
-                step_tokens = float(l_mask.sum()) / S
-                logp_temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE  # raw logits: a quirk
-                masked_eos = tuple(eos_ids) if spec.EOS_ATTENTION == "mask" else ()  # pad = eos: a quirk
-                generated_tokens = sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
-                mb_size = N // (GA * S)
-
-                def no_grad_logps(net):
-                    with torch.no_grad(), autocast_for(device, spec.DTYPE):
-                        return torch.cat([completion_forward(net, p_ids[s:s + mb_size], p_mask[s:s + mb_size],
-                                                             c_ids[s:s + mb_size], c_mask[s:s + mb_size],
-                                                             logp_temperature, masked_eos=masked_eos)[0]
-                                          for s in range(0, N, mb_size)])
-
-                need_old = spec.LOGP_OLD == "forward" or mu > 1 or S > 1 or spec.IS_CORRECTION
-                logp_old = no_grad_logps(model) if need_old else None
-                ref_logps = no_grad_logps(ref_model) if ref_model is not None else None
-                if ref_logps is not None and spec.KL_IN_REWARD:  # a quirk: the KL penalty in the reward, not the loss
-                    now = logp_old if logp_old is not None else no_grad_logps(model)
-                    seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1)
-                    rewards = core.shape_rewards(rewards, seq_kl=seq_kl, beta=spec.BETA)
-                    advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
-                                                                 spec.STD_EPS_INSIDE)
-                is_w, mismatch = None, {}
-                if sampler_logps is not None:
-                    s_lp = pad_right(sampler_logps, 0.0, dtype=torch.float32)[0].to(device)
-                    trainer_lp = logp_old if logp_old is not None else no_grad_logps(model)
-                    mismatch = core.mismatch_stats(trainer_lp, s_lp, c_mask)
-                    if spec.IS_CORRECTION:
-                        is_w, is_raw = core.is_weights(trainer_lp, s_lp, c_mask, spec.IS_MODE, spec.IS_CLIP_MIN or None,
-                                                       spec.IS_CLIP_MAX)
-                        flat = is_w.flatten() if spec.IS_MODE.startswith("sequence") else is_w[c_mask.bool()]
-                        flat_raw = is_raw.flatten() if spec.IS_MODE.startswith("sequence") else is_raw[c_mask.bool()]
-                        mismatch.update({"is_min": flat.min().item(), "is_mean": flat.mean().item(),
-                                         "is_max": flat.max().item(), "is_raw_min": flat_raw.min().item(),
-                                         "is_raw_mean": flat_raw.mean().item(), "is_raw_max": flat_raw.max().item()})
-
-                # ---- 5. mu passes over the round, each S optimizer steps over GA shuffled micro-batches ------------
-                g = torch.Generator().manual_seed(shuffle_seed(spec.SEED, r))
-                order = torch.randperm(N, generator=g) if spec.MICRO_BATCH_ORDER == "shuffled" else torch.arange(N)
-                shuffled = order.view(S * GA, mb_size).to(device)  # (a quirk: `rollout` cuts it in order)
-                adv = advantages.to(device)
-                for it, k in ((it, k) for it in range(mu) for k in range(S)):
-                    if step >= spec.STEPS or stopped:
-                        break
-                    micro_batches = shuffled[k * GA:(k + 1) * GA]
-                    if noise_twin:  # the same sum, added up in another order
-                        micro_batches = micro_batches.flip(0)
-                    lr_now = optimizer.param_groups[0]["lr"]
-                    step_loss, mb_stats = 0.0, []
-                    capture = step < tensor_steps  # this step's tensors, in the rollout's order, for the tensor diff
-                    if capture:
-                        seen_logps = torch.full(c_ids.shape, float("nan"))
-                        seen_loss = torch.full(c_ids.shape, float("nan"))
-                    for mb in micro_batches:
-                        with autocast_for(device, spec.DTYPE):
-                            logp, entropy = completion_forward(model, p_ids[mb], p_mask[mb], c_ids[mb], c_mask[mb],
-                                                               logp_temperature, entropy_temperature=spec.TEMPERATURE,
-                                                               masked_eos=masked_eos)
-                        mask = c_mask[mb].float()
-                        old = logp_old[mb] if logp_old is not None else logp.detach()
-                        per_token, rho = core.clipped_surrogate(logp, old, adv[mb], spec.CLIP_LOW, spec.CLIP_HIGH,
-                                                                spec.DELTA or None)
-                        if is_w is not None:
-                            per_token = per_token * is_w[mb]
-                        stats = {"entropy": core.masked_mean(entropy, mask)}
-                        if ref_logps is not None:
-                            kl = core.kl_estimate(logp, ref_logps[mb], spec.KL_ESTIMATOR)
-                            if spec.KL_IS_CORRECTION:
-                                kl = kl * rho
-                            if not spec.KL_IN_REWARD:
-                                per_token = per_token + spec.BETA * kl
-                            stats["kl"] = core.masked_mean(kl.detach(), mask)
-                        loss = core.aggregate_loss(per_token, l_mask[mb].float(),
-                                                   "sum" if spec.LOSS_SUM or spec.LOSS_DIVISOR else spec.LOSS_NORM,
-                                                   GA, spec.MAX_TOKENS, step_tokens)
-                        if spec.LOSS_DIVISOR:  # a quirk: the step's sum over a constant of the loop's own
-                            loss = loss / spec.LOSS_DIVISOR
-                        if capture:
-                            seen_logps[mb.cpu()] = logp.detach().float().cpu()
-                            seen_loss[mb.cpu()] = per_token.detach().float().cpu()
-                        # a quirk: a completion with no loss token makes an unguarded mean NaN, and the loop skips it all
-                        skip = spec.EMPTY_SKIP and bool((l_mask[mb].sum(-1) == 0).any())
-                        if not skip:
-                            loss.backward()
-                            step_loss += loss.item()
-                        stats.update(core.clip_stats(rho.detach(), adv[mb], mask, spec.CLIP_LOW, spec.CLIP_HIGH))
-                        mb_stats.append(stats)
-                    clip_to = spec.MAX_GRAD_NORM if spec.MAX_GRAD_NORM > 0 else math.inf
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_to).item()
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    step += 1
-                    t_harness = time.perf_counter()  # bookkeeping from here to the log line counts as harness time
-                    sketch.record(model)
-                    if capture:
-                        write_row(writer.dir / TENSORS_FILE, step, {
-                            "rewards": rewards, "advantages": advantages, "mask": l_mask, "logps": seen_logps,
-                            "old_logps": logp_old, "ref_logps": ref_logps, "per_token_loss": seen_loss,
-                            "loss": step_loss, "grad_norm": grad_norm})
-
-                    # ---- 6. log this optimizer step ------------------------------------------------------------
-                    row = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": lr_now}
-                    row.update({k: float(np.mean([s[k] for s in mb_stats])) for k in mb_stats[0]})
-                    if it == 0 and k == 0:  # generation statistics belong to the step that generated (as TRL logs them)
-                        prompts_seen += len(idx)
-                        tokens_seen += generated_tokens
-                        row.update(_generation_metrics(completion_ids, truncated, rewards_per_func, rewards, reward_w,
-                                                       reward_names, reward_fns, std_used, G, metric_sink))
-                        row.update(_mismatch_metrics(mismatch))
-                        row["num_tokens"] = tokens_seen
-                        adv_list, per_func = advantages.tolist(), rewards_per_func.tolist()
-                        writer.log_completions(step, [
-                            {"prompt": seq_rows[i]["prompt"], "completion": completions[i], "advantage": adv_list[i],
-                             "rewards": {fn.__name__: per_func[i][j] for j, fn in enumerate(reward_fns)}}
-                            for i in range(min(N, COMPLETIONS_PER_STEP))])
-                    used, used_tokens = idx, generated_tokens
-                    if S > 1:  # what this step consumed: its slice of the round (a prompt once per completion, in order)
-                        seqs = micro_batches.flatten().tolist()
-                        used = [i for i in idx for _ in range(sum(idx[j // G] == i for j in seqs))]
-                        used_tokens = sum(len(prompt_ids[j]) + len(completion_ids[j]) for j in seqs)
-                    row.update({
-                        "prompts_in_step": len(set(used)), "sequences_in_step": N // S,
-                        "prompt_ids_hash": hash_prompt_ids(used),
-                        "tokens_in_step": used_tokens, "epoch": prompts_seen / len(rows),
-                        "gen_s": gen_s if it == 0 and k == 0 else 0.0, "harness_s": time.perf_counter() - t_harness,
-                        "wall_s": time.perf_counter() - t0, "peak_mem_bytes": peak_memory_bytes(device),
-                    })
-                    if not math.isfinite(step_loss) or not math.isfinite(grad_norm):
-                        writer.log_step(row)
-                        raise FloatingPointError(f"non-finite loss at step {step}")
-                    writer.log_step(row)
-                    bar.update(row)
-                    check_stop(step)  # SIGINT/SIGTERM: stop here, with this step logged
-                    if stop_when is not None and stop_when(row):
-                        stopped = True
-                        writer.update(stopped_at=step)
-                    t0 = time.perf_counter()
-            at.step, at.stopped = step, stopped
-        elif selection is None:  # the same rounds through the one step function the selection path uses
+        if selection is None:  # whole rounds, in order, through the one step function
             for r in range(rounds):
                 if at.stopped:
                     break

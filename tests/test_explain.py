@@ -5,6 +5,8 @@ which, and the log's settings are read, not searched."""
 
 from __future__ import annotations
 
+import math
+
 import json
 import sys
 import tomllib
@@ -98,14 +100,38 @@ def test_the_learning_rate_is_read_from_the_log_not_searched():
     spec = load_spec(DEFAULT_SPEC, ["STEPS=10"])
     steps = range(1, 11)
     linear = pd.DataFrame({"learning_rate": [5e-6 * (1 - (s - 1) / 10) for s in steps]}, index=list(steps))
-    changes, said = settings_from_log(linear, spec)
+    changes, said, _ = settings_from_log(linear, spec)
     assert changes == {"LR": 5e-06, "LR_SCHEDULE": "linear"} and "read from your loop's logged" in said[0]
     flat = pd.DataFrame({"learning_rate": [3e-3] * 10}, index=list(steps))
-    assert settings_from_log(flat, spec) == ({}, [])  # the spec's own rate and schedule
+    assert settings_from_log(flat, spec) == ({}, [], False)  # the spec's own rate and schedule
     odd = pd.DataFrame({"learning_rate": [1e-3, 5e-4, 1e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3]},
                        index=list(steps))
-    changes, said = settings_from_log(odd, spec)
-    assert changes == {} and "follows no schedule" in said[0]
+    changes, said, ahead = settings_from_log(odd, spec)
+    assert changes == {"LR_STEPS": list(odd["learning_rate"])} and "replays it step by step" in said[0] and not ahead
+
+
+def test_a_learning_rate_logged_a_step_ahead_is_read_with_the_rates_the_weights_show():
+    """Many loops log the rate after their scheduler stepped (the next step's). A named schedule: TRL's linear decay
+    after a one-step warmup from 0, logged a step ahead, fits a linear decay without warmup too; the weights' step-1
+    rate (0) tells them apart. A schedule of its own (a warmup to a cosine): the weights show each logged rate one
+    step later, so the replayed rates are the log's shifted by one, the first from the weights."""
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=12"])
+    steps = list(range(1, 13))
+    own = [0.0] + [1e-6 * (12 - s) / 11 for s in range(1, 12)]  # the rate step s trains at (TRL: linear, warmup 1)
+    logged = pd.DataFrame({"learning_rate": own[1:] + [0.0]}, index=steps)
+    weights = [r * (1 + 0.002 * (-1) ** i) for i, r in enumerate(own)]  # as the optimizer stage reads them
+    changes, said, ahead = settings_from_log(logged, spec, weights)
+    assert changes == {"LR": 1e-06, "LR_SCHEDULE": "linear", "WARMUP_STEPS": 1} and ahead, (changes, said)
+    changes, _, _ = settings_from_log(logged, spec)  # without the weights: the warmup's first step is not seen
+    assert changes.get("WARMUP_STEPS") is None
+    cosine = [0.0, 1.5e-3] + [3e-3 * (0.55 + 0.45 * math.cos(math.pi * s / 64)) for s in range(10)]
+    logged = pd.DataFrame({"learning_rate": cosine[1:] + [cosine[-1]]}, index=steps)
+    weights = [None, *[r * (1 + 0.002 * (-1) ** i) for i, r in enumerate(cosine[1:], 1)]]  # (step 1: no gradient)
+    changes, said, ahead = settings_from_log(logged, spec, weights)
+    assert changes["LR_STEPS"] == pytest.approx(cosine, rel=1e-5) and ahead, (changes, said)
+    as_logged = list(logged["learning_rate"])  # weights that agree with the log as it is: no shift
+    changes, _, ahead = settings_from_log(logged, spec, as_logged)
+    assert changes["LR_STEPS"] == pytest.approx(as_logged, rel=1e-5) and not ahead
 
 
 def test_trl_fields_name_what_trl_can_be_set_to_and_nothing_for_a_quirk():

@@ -82,27 +82,15 @@ def test_a_loop_that_picks_its_completions_runs_to_its_end_and_is_explained(tmp_
         assert found["fix"]["trl"] == {"adam_beta2": 0.999}, found["fix"]
 
 
-@pytest.mark.parametrize("twin", [False, True])
-def test_the_unified_step_trains_as_the_round_loop(tmp_path, monkeypatch, twin):
-    """GRPO_PARITY_SCRATCH_STEP=unified (rounds through prepare() and optimizer_step(), the selection path's step)
-    against the default round loop: the same numbers at every step, the noise twin's too (shuffled micro-batches,
-    GRAD_ACCUM 2, a KL term)."""
-    import scratch_grpo.train as T
-    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+def test_a_schedule_of_the_loops_own_is_replayed_step_by_step(tmp_path):
+    """LR_STEPS: the built-in loop trains each step at the rate the list gives (a warmup from 0, then its own decay),
+    and past the list at its last rate; a bad entry is refused before any model loads, naming the field."""
+    from harness.experiment.spec import SpecError
 
-    spec = load_spec(DEFAULT_SPEC, ["STEPS=4", "BETA=0.01"])
-    tok = load_tokenizer(checkpoint_dir(spec))
-    source = RecordingSource(spec, eos_token_ids(generation_config(checkpoint_dir(spec)), tok), tok.pad_token_id, "cpu")
-    T.train(spec, tmp_path / "recording", rollout_source=source, progress=False)
-    runs = []
-    for unified in (False, True):
-        monkeypatch.setattr(T, "_UNIFIED", unified)
-        runs.append(T.train(spec, tmp_path / f"u{unified}", rollout_source=ReplaySource(source.records),
-                            progress=False, noise_twin=twin, tensor_steps=2))
-    a, b = (read_metrics(r / "metrics.jsonl")[0] for r in runs)
-    assert len(a) == len(b) == 4
-    for x, y in zip(a, b):
-        for key in ("loss", "grad_norm", "kl", "entropy", "reward", "prompt_ids_hash", "sequences_in_step",
-                    "tokens_in_step", "num_tokens", "epoch"):
-            assert x.get(key) == y.get(key), (key, x.get(key), y.get(key))
-    assert (runs[0] / "tensors.jsonl").read_text() == (runs[1] / "tensors.jsonl").read_text()
+    rates = [0.0, 2e-3, 1.5e-3]
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=4", f"LR_STEPS={rates}"])
+    run = train(spec, tmp_path / "run", progress=False)
+    logged = [row["learning_rate"] for row in read_metrics(run / "metrics.jsonl")[0]]
+    assert logged == pytest.approx([*rates, rates[-1]], rel=1e-12, abs=0.0), logged
+    with pytest.raises(SpecError, match=r"LR_STEPS\[1\]"):
+        load_spec(DEFAULT_SPEC, ['LR_STEPS=[1e-3, "fast"]'])

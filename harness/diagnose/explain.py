@@ -42,6 +42,7 @@ import hashlib
 import json
 import math
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -203,6 +204,8 @@ _WORDS = {
     "MICRO_BATCH_ORDER": lambda v: ("cuts each round into micro-batches in the rollout's order (TRL shuffles it "
                                     "first)" if v == "rollout" else "shuffles each round before cutting it"),
     "LOSS_DIVISOR": lambda v: f"divides the step's masked per-token losses' sum by {v:g} (no TRL loss_type)",
+    "LR_STEPS": lambda v: ("follows a learning-rate schedule of its own, per step " + ", ".join(f"{x:.4g}" for x in v[:6])
+                           + (", ..." if len(v) > 6 else "") + " (TRL's are named schedules over the run's steps)"),
     "EMPTY_SKIP": lambda v: ("skips the backward of a micro-batch holding a completion with no loss token (an "
                              "unguarded 0/0 mean; TRL counts it as 0)" if v else "keeps such micro-batches"),
     "LOGP_OLD": lambda v: "takes the old log-probs from an extra forward pass (TRL: the detached current ones)",
@@ -225,34 +228,60 @@ def words(key: str, value) -> str:
 # ---------------------------------------------------------------------------------------------
 # settings a metric states: read from the log, not searched
 # ---------------------------------------------------------------------------------------------
-def settings_from_log(yours, spec) -> tuple[dict, list[str]]:
+def settings_from_log(yours, spec, rates: list | None = None) -> tuple[dict, list[str], bool]:
     """Spec changes your loop's logged `learning_rate` states (peak rate, schedule, warmup), and sentences saying
-    what was read. A logged series that no schedule the scratch loop has fits is said as such, not guessed."""
+    what was read. The logged rate is the step's own, or (read after the scheduler stepped, as many loops log it) the
+    next step's: both are tried, the step's own first. A series no named schedule fits (a warmup from a fraction of
+    the rate, a cosine to a floor, a decay over a horizon other than STEPS) is replayed as it is: LR_STEPS, one rate
+    per step. `rates`: the rate of each step your weights show (the optimizer stage's reading, None where a step had
+    no gradient): they tell a log a step ahead from the step's own, and the first step's rate the log does not show."""
     from scratch_grpo.core import lr_multiplier
 
     if "learning_rate" not in yours.columns:
-        return {}, []
+        return {}, [], False
     lr = yours["learning_rate"].dropna().astype(float)
     if lr.empty:
-        return {}, []
+        return {}, [], False
     steps = [int(s) for s in lr.index]
     fits = []
-    for schedule in ("constant", "linear"):
-        for warmup in sorted({0, spec.WARMUP_STEPS} | ({int(s) for s in steps[:12]} if lr.iloc[0] < lr.max() else set())):
-            mult = [lr_multiplier(s - 1, schedule, spec.STEPS, warmup) for s in steps]
-            peak_at = max(range(len(mult)), key=lambda i: mult[i])
-            if mult[peak_at] <= 0:
-                continue
-            peak = float(lr.iloc[peak_at]) / mult[peak_at]
-            if peak > 0 and all(math.isclose(peak * m, float(v), rel_tol=1e-5, abs_tol=1e-12)
-                                for m, v in zip(mult, lr)):
-                fits.append((schedule, warmup, peak))
+    for ahead in (0, 1):  # the step's own rate, or the next step's (logged after the scheduler stepped)
+        for schedule in ("constant", "linear"):
+            rising = lr.iloc[0] < lr.max() or ahead  # (a log a step ahead hides the warmup's first step)
+            for warmup in sorted({0, spec.WARMUP_STEPS} | ({int(s) for s in steps[:12]} if rising else set())):
+                mult = [lr_multiplier(s - 1 + ahead, schedule, spec.STEPS, warmup) for s in steps]
+                peak_at = max(range(len(mult)), key=lambda i: mult[i])
+                if mult[peak_at] <= 0:
+                    continue
+                peak = float(lr.iloc[peak_at]) / mult[peak_at]
+                if peak > 0 and all(math.isclose(peak * m, float(v), rel_tol=1e-5, abs_tol=1e-12)
+                                    for m, v in zip(mult, lr)):
+                    fits.append((schedule, warmup, peak, ahead))
+        if ahead and rates and rates[0] is not None:  # the first step's rate, which a log a step ahead never shows
+            first = [f for f in fits if _near(f[2] * lr_multiplier(0, f[0], spec.STEPS, f[1]), rates[0], f[2])]
+            fits = first or fits
+        if fits and (ahead or not _ahead(list(lr), rates)):
+            break
+        fits = []
     if not fits:
-        shown = ", ".join(f"{v:.3g}" for v in lr.iloc[:4])
-        return {}, [f"your loop's logged learning_rate ({shown}, ...) follows no schedule the harness knows (constant "
-                    "or linear to 0 at STEPS, with a linear warmup): the search leaves the schedule as the spec has it"]
+        if steps != list(range(1, len(steps) + 1)):
+            shown = ", ".join(f"{v:.3g}" for v in lr.iloc[:4])
+            return {}, [f"your loop's logged learning_rate ({shown}, ...) follows no schedule the harness knows "
+                        "(constant or linear to 0 at STEPS, with a linear warmup) and skips steps: the search leaves "
+                        "the schedule as the spec has it"], False
+        per_step = [float(f"{v:.6g}") for v in lr]
+        said = []
+        if _ahead(per_step, rates):  # the weights show each logged rate at the next step
+            first = rates[0] if rates[0] is not None else 0.0
+            first = 0.0 if abs(first) < 1e-3 * max(per_step) else float(f"{first:.4g}")
+            per_step = [first, *per_step[:-1]]
+            said.append("your loop logs each step's learning_rate after its scheduler stepped (its weights show the "
+                        "rate it logs at a step used at the next): the rates per step are the log's a step later, the "
+                        f"first ({first:.4g}) read from its weights")
+        return {"LR_STEPS": per_step}, ["read from your loop's logged learning_rate: " + words("LR_STEPS", per_step)
+                                        .removeprefix("your loop ") + " (no constant or linear schedule with a warmup "
+                                        "fits it: the built-in loop replays it step by step)", *said], bool(said)
     prefer = [f for f in fits if f[0] == spec.LR_SCHEDULE and f[1] == spec.WARMUP_STEPS] or fits
-    schedule, warmup, peak = prefer[0]
+    schedule, warmup, peak, ahead = prefer[0]
     changes = {}
     if not math.isclose(peak, spec.LR, rel_tol=1e-6):
         changes["LR"] = float(f"{peak:.6g}")
@@ -266,7 +295,29 @@ def settings_from_log(yours, spec) -> tuple[dict, list[str]]:
             words(k, v).removeprefix("your loop ") for k, v in changes.items())
             + f" (the spec: {spec.LR:g}, {spec.LR_SCHEDULE}" + (f", warmup {spec.WARMUP_STEPS}" if spec.WARMUP_STEPS else "")
             + ")")
-    return changes, said
+    ahead = bool(ahead) and len(set(round(v, 15) for v in lr)) > 1
+    if ahead:
+        said.append("your loop logs each step's learning_rate after its scheduler stepped: the rate it logs at a "
+                    "step is the next step's (logged otherwise, not a cause)")
+    return changes, said, ahead
+
+
+def _near(a: float, b: float, scale: float) -> bool:
+    """Two learning rates alike within a weights-read rate's noise (5%, or both below 0.1% of the peak)."""
+    return abs(a - b) <= max(0.05 * max(abs(a), abs(b)), 1e-3 * abs(scale))
+
+
+def _ahead(logged: list[float], rates: list | None) -> bool:
+    """Whether the weights show each logged rate used at the next step (a log written after the scheduler stepped):
+    the mean relative misfit a step later is under a third of the step's own (a warmup's steps tell them apart)."""
+    if not rates:
+        return False
+
+    def misfit(ahead: int) -> float:
+        pairs = [(logged[i - ahead], r) for i, r in enumerate(rates) if r is not None and 0 <= i - ahead < len(logged)]
+        return statistics.fmean(abs(a - r) / max(abs(a), abs(r), 1e-30) for a, r in pairs) if pairs else math.inf
+    own, later = misfit(0), misfit(1)
+    return later < own / 3 and own > 0.02
 
 
 def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[dict, list[str]]:
@@ -296,6 +347,33 @@ def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[d
     said = words("rewards.weights", w).removeprefix("your loop ")
     return {"rewards.weights": w}, [f"read from your loop's logged reward over {len(steps)} steps: {said} (the spec: "
                                     f"{spec_w})"]
+
+
+# settings whose effect can stay under the tolerance over a run (a KL term near 0, Adam's beta2 and a weight decay
+# at a small learning rate): each alternative is tried on the confirmed set, and one that reproduces your loop as well
+# is said as what the run could not tell
+LOOK_ALIKE = {"KL_IS_CORRECTION": (True, False), "ADAM_BETA2": (0.999, 0.99, 0.98, 0.95),
+              "WEIGHT_DECAY": (0.0, 0.01, 0.1)}
+
+
+def untold_words(search, changes: dict) -> list[str]:
+    """For a confirmed explanation: the look-alike settings (LOOK_ALIKE) that reproduce your loop over every step as
+    well, each said as what this run could not tell (a verdict claims only what the run shows)."""
+    base = apply_alignment(search.base, {"set": changes})
+    out = []
+    for key, values in LOOK_ALIKE.items():
+        if key == "KL_IS_CORRECTION" and not base.BETA:
+            continue  # no KL term: nothing for its ratio factor to act on
+        have = getattr(base, key)
+        alike = [v for v in values if v != have and search.whole({**changes, key: v}).agree >= search.steps]
+        if alike:
+            trl = trl_fields(search.base, {key: alike[0]}) or {key: alike[0]}
+            named = ", ".join(f"{k} = {toml_value(v)}" for k, v in trl.items())
+            out.append(f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, alike[1:]))})"
+                                                                    if alike[1:] else "")
+                       + f" instead of {toml_value(have)}, the built-in loop reproduces your loop over all "
+                       f"{search.steps} steps as well (the effect stays under the tolerance here)")
+    return out
 
 
 def clip_alike_words(found: float, alike: list[float], norms: list[float], steps: int) -> str:
@@ -681,7 +759,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         shutil.rmtree(root)
     spec_dtype = spec.DTYPE
     base = scratch_as_trl(spec)
-    read, said = settings_from_log(yours, base)
+    identified = _identify(spec, base, yours, yours_dir, records, log)
+    opt = next((f for f in identified if f.stage == "optimizer" and f.readable), None)
+    read, said, lr_ahead = settings_from_log(yours, base, opt.evidence.get("lrs") if opt else None)
     weights, weights_said = reward_weights_from_log(yours, base, round_scores(cell_dir / LOOP_ROLLOUTS_FILE))
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
@@ -695,13 +775,22 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     for n in notes:
         log(f"    {n}")
     search = Search(base, yours, records, root, envelope, log)
-    identified = _identify(spec, base, yours, yours_dir, records, log)
+    if lr_ahead and "learning_rate" in search.judge.columns:  # logged a step ahead: not compared step by step
+        search.judge.columns.remove("learning_rate")
     fixed, unsure, settles = identify.settings_of(identified)
-    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v}
+    if "LR_STEPS" in read:  # a schedule of your loop's own: the log's rates stand for the fit's
+        peak = max(read["LR_STEPS"])  # (the peak: TRL's learning_rate, the nearest it has)
+        if peak and not math.isclose(peak, base.LR, rel_tol=1e-6):
+            read["LR"] = peak
+        fixed = {k: v for k, v in fixed.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
+        unsure = {k: v for k, v in unsure.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
+    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v  # (a rate read within
+                and not (isinstance(v, float) and math.isclose(read[k], v, rel_tol=2e-3))}  # its fit's noise: alike)
     for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
         notes.append(f"{k}: your log states {toml_value(logged)}, your tensors show {toml_value(measured)}; the "
                      "search starts from the log's")
     fixed = {k: v for k, v in fixed.items() if k not in conflict}
+    unsure = {k: v for k, v in unsure.items() if k not in read}  # (a value your log states beats a fit's look-alike)
     ident = {**fixed, **unsure}  # (for the words: read from what your loop saved)
     read = {**read, **fixed}  # settled by your own tensors: the search starts there and leaves them
     search.settled |= set(settles) - set(conflict)
@@ -760,7 +849,11 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         if alike:
             norms = yours["grad_norm"].dropna().astype(float).tolist() if "grad_norm" in yours.columns else []
             notes.append(clip_alike_words(found_at, alike, norms, search.steps))
-    cost = {"runs": search.runs, "steps": search.steps_run, "seconds": round(search.seconds, 1)}
+    runs, steps_run, seconds = search.runs, search.steps_run, search.seconds
+    if state.agree >= search.steps:  # what else reproduces it as well: the run cannot tell those apart
+        notes += untold_words(search, changes)
+    cost = {"runs": runs, "steps": steps_run, "seconds": round(seconds, 1),
+            "look_alike_runs": search.runs - runs, "look_alike_seconds": round(search.seconds - seconds, 1)}
     entry = {"cause": "+".join(sorted(trl) + sorted(quirks)) or "your loop", "fields": sorted(trl),
              "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
     if found:
@@ -825,8 +918,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
                  runs=search.runs, written=str(path), defined_differently=derived, matched_by=state.folder,
                  confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
-    entry["cost"] = {**cost, "runs": search.runs, "seconds": round(time.perf_counter() - t0, 1)}
-    log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
+    entry["cost"] = {**cost, "runs": search.runs - cost["look_alike_runs"], "seconds": round(time.perf_counter() - t0, 1)}
+    log(f"    explain: {search.runs} runs ({cost['look_alike_runs']} of them look-alikes of the confirmed set), "
+        f"{search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
     return [entry]
 
 

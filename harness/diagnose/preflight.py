@@ -98,6 +98,9 @@ QUIRKS = {
         "*": "divides the step's masked per-token losses' sum by a constant; no TRL loss_type does that"}),
     "LOSS_SUM": (False, "loss summed, not averaged", {
         True: "sums the per-token losses without normalising; no TRL loss_type does that"}),
+    "LR_STEPS": ([], "learning rate per optimizer step", {
+        "*": "follows a learning-rate schedule of its own, one rate per step; TRL's are named schedules over the "
+             "run's steps (lr_scheduler_type, warmup_steps) and it has no option for another"}),
     "REWARD_CLIP": (0.0, "reward clipped to +-", {
         "*": "clips the summed reward; TRL uses the reward functions' sum as it is (clip inside your reward function "
              "to match)"}),
@@ -118,7 +121,8 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
     scratch_is = bool(spec.sampler.kind != "policy" and spec.IS_CORRECTION)
     trl_cfg = tr.config("/tmp/grpo-parity-preflight", **tr.validated_with)
     trl_warmup = trl_cfg.get_warmup_steps(kw["max_steps"])
-    s_lr = _lr_first_last(_scratch_lr_name(spec), spec.LR, spec.STEPS, spec.WARMUP_STEPS)
+    s_lr = ((float(spec.LR_STEPS[0]), float(spec.LR_STEPS[min(spec.STEPS, len(spec.LR_STEPS)) - 1])) if spec.LR_STEPS
+            else _lr_first_last(_scratch_lr_name(spec), spec.LR, spec.STEPS, spec.WARMUP_STEPS))
     t_lr = _lr_first_last(trl_cfg.lr_scheduler_type, kw["learning_rate"], kw["max_steps"], trl_warmup,
                           trl_cfg.lr_scheduler_kwargs or None)
     trl_override = lambda *keys: {"drop_trl": [k for k in keys if k in tr.overrides]}  # noqa: E731
@@ -685,7 +689,9 @@ def fix_for(spec, diffs: list[Difference], check: str) -> dict:
     if check.startswith("quirk:") and mine:  # TRL has no setting: the only match is on the scratch side
         key = check.split(":", 1)[1]
         default, _quantity, words = QUIRKS[key]
-        said = words.get(mine[0].scratch, words.get("*", f"has {key} = {mine[0].scratch!r}"))
+        value = mine[0].scratch
+        fallback = words.get("*", f"has {key} = {value!r}")
+        said = fallback if isinstance(value, (list, dict)) else words.get(value, fallback)
         return {"trl": {}, "scratch": {key: default},
                 "sentence": f"the scratch loop {said}: set {key} = {_toml(default)} in the spec to match"}
     try:

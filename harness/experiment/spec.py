@@ -260,6 +260,11 @@ class Spec:
     LR_SCHEDULE: str = _f("constant", "`constant`, or `linear` (decays to 0 at STEPS, TRL's default).",
                           choices=("constant", "linear"))
     WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR.", min=0)
+    LR_STEPS: list = _f([], "A learning-rate schedule of your loop's own: the rate of each optimizer step, in order "
+                        "(steps past the list keep its last rate). Set, it replaces LR_SCHEDULE and WARMUP_STEPS in the "
+                        "built-in loop (a warmup from a fraction of LR, a cosine to a floor, a decay over a horizon "
+                        "other than STEPS); TRL has no setting for it (its schedules are named ones over the run's "
+                        "steps). The explanation reads it from your loop's logged learning_rate.")
     ADAM_BETA1: float = _f(0.9, "AdamW beta1.", min=0.0, max=1.0)
     ADAM_BETA2: float = _f(0.999, "AdamW beta2 (the lesson: 0.98).", min=0.0, max=1.0)
     ADAM_EPS: float = _f(1e-8, "AdamW epsilon.", min=0.0, min_exclusive=True)
@@ -457,6 +462,10 @@ def _cross_checks(spec: Spec) -> None:
         raise SpecError("IS_CLIP_MIN", f"{spec.IS_CLIP_MIN} must be below IS_CLIP_MAX = {spec.IS_CLIP_MAX}")
     if spec.WARMUP_STEPS >= spec.STEPS and spec.WARMUP_STEPS:
         raise SpecError("WARMUP_STEPS", f"{spec.WARMUP_STEPS} must be below STEPS = {spec.STEPS}")
+    for i, rate in enumerate(spec.LR_STEPS):
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 10 or rate != rate:
+            raise SpecError(f"LR_STEPS[{i}]", f"must be a learning rate between 0 and 10, got {rate!r} (one number "
+                            "per optimizer step, e.g. LR_STEPS = [0.0, 1e-6, 9.1e-7])")
 
 
 def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
