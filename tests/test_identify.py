@@ -341,3 +341,25 @@ def test_optimizer_beta2_at_a_small_learning_rate(seed):
     assert f.settings.get("ADAM_BETA2") == 0.999, f
     assert f.exact and "LR_SCHEDULE" not in f.settings and not any("schedule" in u for u in f.unsettled), f
     assert f.settings["LR"] == pytest.approx(1e-5, rel=2e-3), f
+
+
+def test_a_mask_rule_read_at_one_step_stands_where_other_steps_had_nothing_for_it():
+    """A mask built from `ids != pad_id` shows only at a step that generated the pad id; a step that did not reads as
+    TRL's mask. The rule read where it acts is the stage's reading (the same-as-TRL step does not contradict it; a
+    public loop's pad-token removal went unsaid when the other step was preferred)."""
+    rng = random.Random(7)
+    pad = 5
+    rounds = [_completions(rng, 8, eos=2, vocab=12, max_tokens=8) for _ in range(2)]
+    for c in rounds[1]:  # the second round generated no pad id
+        c[:] = [t if t != pad else 6 for t in c]
+    if not any(pad in c for c in rounds[0]):
+        rounds[0][0][0] = pad
+    mine = {}
+    for step, comps in enumerate(rounds, 1):
+        width = max(map(len, comps))
+        mine[step] = {"mask": [[1 if t < len(c) and c[t] != pad else 0 for t in range(width)] for c in comps]}
+    spec = types.SimpleNamespace(**vars(SPEC), STEPS_PER_GENERATION=1, NUM_ITERATIONS=1, GROUP_SIZE=4, MAX_TOKENS=8,
+                                 DTYPE="float32", rewards=types.SimpleNamespace(weights=[1.0]))
+    found = identify.identify(mine, [{"completion_ids": c} for c in rounds], spec, [2], pad, {})
+    m = next(f for f in found if f.stage == "mask")
+    assert m.step == 1 and m.no_switch and f"id {pad}" in m.rule, m

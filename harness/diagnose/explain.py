@@ -352,8 +352,8 @@ def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[d
 # settings whose effect can stay under the tolerance over a run (a KL term near 0, Adam's beta2 and a weight decay
 # at a small learning rate): each alternative is tried on the confirmed set, and one that reproduces your loop as well
 # is said as what the run could not tell
-LOOK_ALIKE = {"KL_IS_CORRECTION": (True, False), "ADAM_BETA2": (0.999, 0.99, 0.98, 0.95),
-              "WEIGHT_DECAY": (0.0, 0.01, 0.1)}
+LOOK_ALIKE = {"BETA": (0.0, 0.001, 0.01, 0.04), "KL_IS_CORRECTION": (True, False),
+              "ADAM_BETA2": (0.999, 0.99, 0.98, 0.95), "WEIGHT_DECAY": (0.0, 0.01, 0.1)}
 
 
 def untold_words(search, changes: dict) -> list[str]:

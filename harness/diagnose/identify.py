@@ -1083,10 +1083,12 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     for stage in STAGES:
         cands = found[stage]
         if cands:
-            # the reading that says most: exact, least left unsettled, most settled (a step where a KL term or the
-            # ratio can show at all), then the earliest
-            best = min(cands, key=lambda f: (not f.readable, not f.exact, len(f.unsettled), -len(f.settles),
-                                             f.step or 0))
+            # the reading that says most: exact, a rule that acts here before the spec's own (a mask on the pad id
+            # shows only at a step that generated one: the steps without one read TRL's mask, and do not contradict
+            # it), least left unsettled, most settled (a step where a KL term or the ratio can show at all), then the
+            # earliest
+            best = min(cands, key=lambda f: (not f.readable, not f.exact, f.same_as_spec, len(f.unsettled),
+                                             -len(f.settles), f.step or 0))
             logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings),
                           None)
             if logged and logged is not best:
