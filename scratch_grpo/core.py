@@ -35,15 +35,43 @@ def nanstd(x: torch.Tensor, dim: int | None = None, unbiased: bool = True, keepd
     return torch.sqrt(variance)
 
 
+def loo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
+                   eps: float = 1e-4, eps_inside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out (a quirk; TRL centres on the group's own mean): A_i = r_i - mean of the group's other
+    completions, divided (`scale = group`) by the std of those others (Bessel's or the population's) + eps, and not
+    divided where the others are alike (their std 0). `scale = batch` divides by the batch's std as group_advantages
+    does. Computed from the group's sums, as NeMo-RL does: the others' mean (S - r_i) / (G - 1), their variance from the
+    mean of squares. Returns (advantages, each group's own std per element: the
+    std TRL's frac_reward_zero_std counts). NaN rewards count 0 and their advantage is 0."""
+    grouped = torch.nan_to_num(rewards.view(-1, group_size))
+    n = group_size - 1
+    mean = (grouped.sum(1, keepdim=True) - grouped) / n
+    square = ((grouped * grouped).sum(1, keepdim=True) - grouped * grouped) / n
+    var = (square - mean * mean) * (n / (n - 1) if std == "bessel" and n > 1 else 1.0)
+    sd = torch.sqrt(var.clamp(min=0.0)).reshape(-1)
+    adv = (grouped - mean).reshape(-1)
+    if scale == "batch":
+        sd = nanstd(rewards, unbiased=std == "bessel").expand_as(rewards)
+    if scale != "none":
+        div = torch.sqrt(sd * sd + eps) if eps_inside else sd + eps
+        adv = torch.where(sd > 0, adv / div, adv)
+    own = nanstd(rewards.view(-1, group_size), dim=1, unbiased=std == "bessel").repeat_interleave(group_size)
+    return torch.where(torch.isnan(rewards), torch.zeros_like(adv), adv), own
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
-                     eps: float = 1e-4, eps_inside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float = 1e-4, eps_inside: bool = False, baseline: str = "group"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = (r_i - mean(group)) / (std + eps), or / sqrt(var + eps) with `eps_inside` (a quirk; TRL adds eps).
 
     `rewards` (B,) are grouped in consecutive runs of `group_size`. `scale`: `group` divides by the
     group's std, `batch` by the std of all B rewards (the mean stays per group, as TRL), `none` not at
     all. Returns (advantages, the std used per element), the std also when `scale = none` (TRL uses
-    it to count zero-std groups). NaN rewards are left out of mean and std; their advantage is 0.
+    it to count zero-std groups). NaN rewards are left out of mean and std; their advantage is 0. `baseline = loo`:
+    loo_advantages (a quirk).
     """
+    if baseline == "loo":
+        return loo_advantages(rewards, group_size, scale, std, eps, eps_inside)
     unbiased = std == "bessel"
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)

@@ -211,7 +211,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         rewards = (rewards_per_func * reward_w).nansum(dim=1)
         rewards = core.shape_rewards(rewards, spec.REWARD_CLIP)  # a quirk when > 0: TRL takes the sum as it is
         advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
-                                                     spec.STD_EPS_INSIDE)
+                                                     spec.STD_EPS_INSIDE, spec.ADV_BASELINE)
 
         # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
         p_ids, p_mask = pad_left(prompt_ids, pad_id)
@@ -243,7 +243,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1)
             rewards = core.shape_rewards(rewards, seq_kl=seq_kl, beta=spec.BETA)
             advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
-                                                         spec.STD_EPS_INSIDE)
+                                                         spec.STD_EPS_INSIDE, spec.ADV_BASELINE)
         is_w, mismatch = None, {}
         if sampler_logps is not None:
             s_lp = pad_right(sampler_logps, 0.0, dtype=torch.float32)[0].to(device)

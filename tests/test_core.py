@@ -33,6 +33,23 @@ def test_group_advantages_population_differs():
     assert not torch.allclose(adv, bessel)  # 0.9998 vs 0.8659: the estimator matters
 
 
+def test_leave_one_out_advantages_by_hand():
+    # group 1: [1, 0, 0, 0]. Completion 0: others [0, 0, 0], mean 0, std 0 -> not divided: A = 1 - 0 = 1.
+    #   Completion 1: others [1, 0, 0], mean 1/3; Bessel variance ((2/3)^2 + 2 (1/3)^2) / 2 = 1/3, std 0.577350
+    #   -> A = (0 - 1/3) / (0.577350 + 1e-6) = -0.577349.
+    # group 2: [2, 4, 6, 8]. Completion 0: others [4, 6, 8], mean 6, Bessel std 2 -> (2 - 6) / 2 = -2; completion 3:
+    #   others [2, 4, 6], mean 4, std 2 -> (8 - 4) / 2 = 2; completion 1: others [2, 6, 8], mean 16/3, variance
+    #   ((10/3)^2 + (2/3)^2 + (8/3)^2) / 2 = (100 + 4 + 64) / 18 = 28/3, std 3.055050 -> (4 - 16/3) / 3.055050 = -0.436436
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 6.0, 8.0])
+    adv, own = core.group_advantages(r, 4, scale="group", std="bessel", eps=1e-6, baseline="loo")
+    b = (1 / 3) / (math.sqrt(1 / 3) + 1e-6)
+    c = (4 - 16 / 3) / (math.sqrt(28 / 3) + 1e-6)
+    close(adv, [1.0, -b, -b, -b, -4 / (2 + 1e-6), c, -c, 4 / (2 + 1e-6)], tol=2e-6)
+    close(own[:4], [0.5] * 4)  # the group's own std, as TRL counts zero-std groups (Bessel std of [1,0,0,0] = 0.5)
+    adv_none, _ = core.group_advantages(r, 4, scale="none", baseline="loo")
+    close(adv_none, [1.0, -1 / 3, -1 / 3, -1 / 3, -4.0, 4 - 16 / 3, 6 - 14 / 3, 4.0])
+
+
 def test_group_advantages_batch_and_none():
     # rewards [0, 2 | 4, 6]; group means 1, 5; batch Bessel std of [0,2,4,6]: mean 3, squares 9+1+1+9 = 20,
     # 20/3 -> std 2.581989

@@ -363,3 +363,23 @@ def test_a_mask_rule_read_at_one_step_stands_where_other_steps_had_nothing_for_i
     found = identify.identify(mine, [{"completion_ids": c} for c in rounds], spec, [2], pad, {})
     m = next(f for f in found if f.stage == "mask")
     assert m.step == 1 and m.no_switch and f"id {pad}" in m.rule, m
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_advantages_leave_one_out_with_a_random_epsilon(seed):
+    """RLOO's / NeMo-RL's baseline: each reward minus the mean of its group's other completions, divided by those
+    others' std + a random epsilon (not at all where they are alike), or not divided."""
+    from scratch_grpo.core import group_advantages
+
+    rng = random.Random(seed)
+    g = rng.choice((4, 8))
+    r = _rewards(rng, 6, g)
+    scale = rng.choice(("group", "none"))
+    eps = float(f"{10 ** rng.uniform(-3, -1.5):.3g}")
+    adv, _ = group_advantages(r, g, scale, "bessel", eps, False, baseline="loo")
+    f = identify.advantages(r.tolist(), adv.tolist(), g, SPEC)
+    assert f.exact and f.settings.get("ADV_BASELINE") == "loo" and "leave-one-out" in f.rule, f
+    if scale == "none":
+        assert f.settings.get("ADV_SCALE") == "none", f
+    else:
+        assert f.settings.get("STD_EPS") == pytest.approx(eps, rel=2e-2), (f, eps)

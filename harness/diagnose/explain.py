@@ -194,6 +194,8 @@ _WORDS = {
     "STD": lambda v: ("divides by the population std (n; TRL: Bessel's n-1, fixed)" if v == "population"
                       else "divides by Bessel's std (n-1)"),
     "STD_EPS_INSIDE": lambda v: "scales advantages by sqrt(var + eps) (TRL: std + eps)",
+    "ADV_BASELINE": lambda v: ("centres each reward on the mean of its group's other completions (leave-one-out; "
+                               "TRL: the group's own mean)" if v == "loo" else "centres each reward on its group's mean"),
     "COMPLETION_MASK": lambda v: {"no_eos": "leaves each completion's eos token out of the loss (TRL counts it)",
                                   "all": "counts the padding after short completions in the loss",
                                   "eos": "counts every completion token through the eos"}[v],

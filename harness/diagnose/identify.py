@@ -174,6 +174,98 @@ def rewards_stage(rewards, scores: dict[str, list], spec=None, step=None) -> Fin
 # advantages as a function of rewards
 # ---------------------------------------------------------------------------------------------
 def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
+    """Your advantages as a function of your own rewards (`_centred_on_a_mean`), and where no centring on a mean
+    fits, on the mean of the group's other completions (leave-one-out, `_leave_one_out`)."""
+    found = _centred_on_a_mean(rewards, adv, group, spec, rtol, atol, step)
+    if found.readable and group >= 3:
+        r, a = _arr(rewards), _arr(adv)
+        loo = _leave_one_out(r, a, group, spec, rtol, atol, step)
+        # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
+        # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely
+        if loo is not None and (not found.exact or found.no_switch
+                                or _misfit(r, a, group, spec, loo.settings) < _misfit(r, a, group, spec, found.settings)):
+            return loo
+    return found
+
+
+def _misfit(r, a, group: int, spec, settings: dict) -> float:
+    """The largest |A - predicted| / (|A| + 1e-6) of an advantage rule (the spec's fields, `settings` over them) on
+    your rewards, in float64: group or leave-one-out centring; none, group or batch scale; either std; eps outside or
+    inside the square root."""
+    f = {"ADV_SCALE": "group", "STD": "bessel", "STD_EPS": 1e-4, "STD_EPS_INSIDE": False, "ADV_BASELINE": "group",
+         **({k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_BASELINE")
+             if hasattr(spec, k)} if spec else {}), **settings}
+    g, ddof = r.reshape(-1, group), 1 if f["STD"] == "bessel" else 0
+    if f["ADV_BASELINE"] == "loo":
+        n = group - 1
+        m = (g.sum(1, keepdims=True) - g) / n
+        var = ((g * g).sum(1, keepdims=True) - g * g) / n - m * m
+        sd = np.sqrt(np.clip(var * n / max(n - ddof, 1), 0.0, None)).reshape(-1)
+    else:
+        m = np.broadcast_to(g.mean(1, keepdims=True), g.shape)
+        sd = np.repeat(g.std(1, ddof=ddof), group)
+    if f["ADV_SCALE"] == "batch":
+        sd = np.full(len(r), r.std(ddof=ddof))
+    c = r - m.reshape(-1)
+    if f["ADV_SCALE"] == "none":
+        pred = c
+    else:
+        div = np.sqrt(sd * sd + f["STD_EPS"]) if f["STD_EPS_INSIDE"] else sd + f["STD_EPS"]
+        pred = np.where((sd > 0) | (f["ADV_BASELINE"] != "loo"), c / np.where(div == 0, np.inf, div), c)
+    return float(np.max(np.abs(a - pred) / (np.abs(a) + 1e-6)))
+
+
+def _leave_one_out(r, a, group: int, spec, rtol: float, atol: float, step) -> Finding | None:
+    """A_i = r_i - the mean of its group's other completions, not scaled, or divided by those others' std (Bessel's
+    or the population's) + an epsilon solved per element, a completion whose others are alike left undivided (as
+    NeMo-RL's leave-one-out baseline does). None where that does not give your advantages."""
+    if len(r) != len(a) or len(r) % group or np.isnan(r).any():
+        return None
+    g, n = r.reshape(-1, group), group - 1
+    total, squares = g.sum(1, keepdims=True), (g * g).sum(1, keepdims=True)
+    mean = ((total - g) / n).reshape(-1)
+    c = r - mean
+    tol = atol + rtol * np.abs(a)
+    if not np.any(np.abs(c) > 1e-7):
+        return None
+    spec_has = {k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE")} if spec else {}
+    rule = "centres each reward on the mean of its group's other completions (leave-one-out; TRL: the group's own mean)"
+    if np.all(np.abs(a - c) <= tol):
+        settings = {"ADV_BASELINE": "loo", "ADV_SCALE": "none"}
+        return Finding("advantages", step, f"your loop {rule} and does not divide by a std",
+                       {k: v for k, v in settings.items() if not (k in spec_has and _same(spec_has[k], v))}, True,
+                       settles=("ADV_BASELINE", "ADV_SCALE"))
+    for ddof, name in ((1, "bessel"), (0, "population")):
+        if n - ddof <= 0:
+            continue
+        m = (total - g) / n
+        var = (((squares - g * g) / n - m * m) * (n / (n - ddof))).reshape(-1)
+        sd = np.sqrt(np.clip(var, 0.0, None))
+        alike = sd <= 1e-9 * max(float(np.abs(r).max()), 1.0)
+        if not np.all(np.abs(a[alike] - c[alike]) <= tol[alike]):
+            continue  # (where the others are alike, the advantage is r_i - their mean, undivided)
+        div = ~alike & (np.abs(c) > 1e-7)
+        if not np.any(div) or np.any(np.abs(a[div]) <= 1e-12):
+            continue
+        eps_i = c[div] / a[div] - sd[div]
+        unc = 10 * rtol * float(np.max(np.abs(c[div] / a[div]))) + 1e-12
+        if float(np.ptp(eps_i)) > 2 * unc:
+            continue
+        eps = snap(float(np.median(eps_i)), unc)
+        settings = {"ADV_BASELINE": "loo", "ADV_SCALE": "group", "STD": name, "STD_EPS": eps, "STD_EPS_INSIDE": False}
+        est = "population std (n)" if name == "population" else "Bessel's std (n - 1)"
+        unsettled = (f"the advantage epsilon is known to +-{unc:.1g} only ({eps:g} is the round value within that)",) \
+            if unc >= max(eps, 1e-12) / 20 else ()
+        return Finding("advantages", step, f"your loop {rule} and divides by those others' {est} + {eps:g}, not at "
+                       "all where they are alike",
+                       {k: v for k, v in settings.items() if not (k in spec_has and _same(spec_has[k], v))}, True,
+                       unsettled=unsettled, settles=("ADV_BASELINE", "ADV_SCALE", "STD") + (() if unsettled else
+                                                                                             ("STD_EPS",)))
+    return None
+
+
+def _centred_on_a_mean(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6,
+                       step=None) -> Finding:
     """Your advantages as a function of your own rewards, group by group: the centring (the group's mean, the
     batch's, none), the scale (none, a constant, the group's or the batch's std, Bessel's or the population's, plus
     an epsilon outside or inside the square root, solved for in closed form: eps = (r - mean) / A - std), and a clip

@@ -84,6 +84,9 @@ QUIRKS = {
         "k2": "estimates the KL with k2 ((logp - ref)^2 / 2); TRL uses k3 and has no option for another"}),
     "KL_IN_REWARD": (False, "KL penalty in the reward", {
         True: "puts the KL penalty in the reward; TRL adds it to the loss and has no option to move it"}),
+    "ADV_BASELINE": ("group", "advantage baseline", {
+        "loo": "centres each reward on the mean of its group's other completions (leave-one-out); TRL centres on the "
+               "group's own mean and has no option for another"}),
     "STD_EPS_INSIDE": (False, "std epsilon inside the square root", {
         True: "divides by sqrt(var + eps); TRL divides by std + eps and has no option for the other"}),
     "SELECTION": ("", "completions each step trains on", {

@@ -232,6 +232,10 @@ class Spec:
     KL_IN_REWARD: bool = _f(False, "Put the KL penalty in the reward (r - BETA x the completion's summed KL, before "
                             "the advantages) instead of the loss (TRL).")
     STD_EPS_INSIDE: bool = _f(False, "Scale advantages by sqrt(var + STD_EPS) instead of std + STD_EPS (TRL).")
+    ADV_BASELINE: str = _f("group", "What each reward is centred on: its group's mean (`group`, TRL) or the mean of "
+                           "the group's other completions (`loo`: leave-one-out, RLOO's and NeMo-RL's baseline; with "
+                           "ADV_SCALE = group the std is the others' too, and a completion whose others are alike is "
+                           "not divided). TRL's GRPOTrainer has no setting for it.", choices=("group", "loo"))
     LOSS_SUM: bool = _f(False, "Sum the per-token losses with no normalisation at all (overrides LOSS_NORM; TRL has "
                         "no such loss_type).")
     SELECTION: str = _f("", "Which completions each optimizer step trains on: empty (whole rounds, as TRL) or a "
