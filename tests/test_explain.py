@@ -368,6 +368,22 @@ def test_tensor_diff_takes_column_tensors_and_leaves_an_upstream_loss_alone():
     assert not loss_link.get("exact") and not loss_link.get("candidates")
 
 
+def test_a_log_prob_your_loss_does_not_count_is_not_compared():
+    """nanochat scores no eos token (its loss leaves it out) and a user saves 0 there: the forward pass agrees on every
+    token the loss counts, so the log-probs are the same link; the mask is the one that differs (the eos left out)."""
+    from harness.diagnose.tensordiff import diff
+
+    spec = load_spec(DEFAULT_SPEC, ["GROUP_SIZE=2", "GRAD_ACCUM=1"])
+    mine = {1: {"mask": [[1, 1, 0], [1, 1, 1]], "logps": [[-1.0, -2.0, 0.0], [-0.5, -0.25, -3.0]]}}
+    ref = {1: {"mask": [[1, 1, 1], [1, 1, 1]], "logps": [[-1.0, -2.0, -3.5], [-0.5, -0.25, -3.0]]}}
+    found = diff(mine, ref, spec, {1: [3, 3]}, [2], False, ends_with_eos={1: [True, False]})
+    links = {c["tensor"]: c["status"] for c in found["chain"]}
+    assert links["logps"] == "same" and links["mask"] == "differs" and found["first"]["tensor"] == "mask", found
+    mine[1]["logps"][0][1] = -2.5  # a counted token that differs still does
+    assert {c["tensor"]: c["status"] for c in diff(mine, ref, spec, {1: [3, 3]}, [2], False)["chain"]}["logps"] == \
+        "differs"
+
+
 def test_a_loss_divided_by_positions_outside_the_completions_is_named_with_its_divisor():
     """nano-aha-moment divides the masked per-token losses' sum by every position of its padded batch (prompt and
     padding included) and logs the mean of its micro-batches' losses: the divisor is named from your own tensors,

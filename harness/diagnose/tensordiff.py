@@ -63,6 +63,17 @@ def _flat(value) -> list[float]:
     return [float(value)]
 
 
+LOG_PROBS = ("logps", "old_logps", "ref_logps")
+
+
+def _masked(rows, keep) -> list[list[float]] | None:
+    """Per-token rows with 0 wherever `keep` (your loop's loss mask, row by row) is 0."""
+    if not isinstance(rows, list) or not isinstance(keep, list) or len(rows) != len(keep):
+        return rows
+    return [[x if k else 0.0 for x, k in zip(row, krow)] + row[len(krow):] if isinstance(row, list) and
+            isinstance(krow, list) else row for row, krow in zip(rows, keep)]
+
+
 def _close(a: float, b: float, atol: float, rtol: float) -> bool:
     if math.isnan(a) and math.isnan(b):
         return True
@@ -130,6 +141,9 @@ def diff(yours: dict[int, dict], ref: dict[int, dict], spec, lengths: dict[int, 
                 continue
             if name in PER_TOKEN:
                 ta, tb = _rows(a[name], n), _rows(b[name], n)
+                if name in LOG_PROBS and "mask" in a:  # a token your loss does not count cannot move your training:
+                    keep = _rows(a["mask"], n)  # its log-prob is not compared (a loop may save 0 where it scores none)
+                    ta, tb = _masked(ta, keep), _masked(tb, keep)
             else:  # one value per completion, or one number: (N, 1) and (N,) alike
                 ta, tb = _flat(a[name]), _flat(b[name])
                 ta, tb = (ta[0], tb[0]) if len(ta) == len(tb) == 1 else (ta, tb)
