@@ -383,3 +383,30 @@ def test_advantages_leave_one_out_with_a_random_epsilon(seed):
         assert f.settings.get("ADV_SCALE") == "none", f
     else:
         assert f.settings.get("STD_EPS") == pytest.approx(eps, rel=2e-2), (f, eps)
+
+
+def test_optimizer_parameter_groups_with_rates_and_betas_of_their_own():
+    """nanochat's AdamW: the embedding at 35x the rate of the rest, each group with betas of its own. One Adam for
+    every parameter fits none of it (it read 'decay -3.8, clip 0.025'); each tensor on its own fits, and the groups
+    are said (no switch: the built-in loop and TRL step every parameter alike)."""
+    from harness.loop import Probe
+
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    first, rest = list(model[0].parameters()), list(model[2].parameters())
+    opt = torch.optim.AdamW([{"params": first, "lr": 3.4e-2, "betas": (0.8, 0.999)},
+                             {"params": rest, "lr": 1e-3, "betas": (0.95, 0.9)}], weight_decay=0.0)
+    probe, rows, norms = Probe(model), [], []
+    for step in range(5):
+        loss = (model(torch.randn(64, 16)) ** 2).mean() * (1 + step)
+        loss.backward()
+        before = probe.read(grads=True)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        rows.append({**before, "after": probe.read()["before"]})
+    f = identify.optimizer(rows, norms, SPEC, steps_total=10)
+    assert f.no_switch and "in groups" in f.rule and not f.settings, f
+    groups = f.evidence["groups"]
+    assert [round(g[0], 4) for g in groups] == [0.034, 0.001] and groups[0][1:3] == [0.8, 0.999], groups
+    assert groups[1][1:3] == [0.95, 0.9] and all(n.startswith("0.") for n in groups[0][3]), groups

@@ -941,6 +941,15 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     lrs, wds, res = score(b1, b2, eps, clip)
     rounding = _rounding(after, updates)
     exact = res < max(1e-3, 1.5 * rounding)  # (no rule fits better than the weights' own rounding)
+    if not exact:  # one Adam for every parameter does not fit: parameter groups, each with settings of its own?
+        sizes = [len(x) for x in rows[0]["before"]]
+        groups = _parameter_groups(names, sizes, grads, before, updates, decay, norms, clip)
+        if groups:
+            said = "; ".join(f"lr {lr:.4g} with betas ({g1:g}, {g2:g}) on {', '.join(ns[:3])}"
+                             + (f" and {len(ns) - 3} more" if len(ns) > 3 else "") for lr, g1, g2, ns in groups)
+            return Finding("optimizer", None, "your loop steps its parameters in groups, each with its own Adam "
+                           f"settings ({said}): the built-in loop and TRL step every parameter alike", {}, True,
+                           no_switch=True, evidence={"residual": res, "groups": [list(g) for g in groups]})
     unsettled, settings, words = [], {}, []
     known = [(t, x) for t, x in enumerate(lrs) if x is not None]  # (a step with no gradient says no rate)
     if not known:
@@ -1026,6 +1035,41 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     return Finding("optimizer", None, "your loop " + " ".join(words), settings, exact,
                    same_as_spec=not settings, unsettled=tuple(unsettled), settles=settles if exact else (),
                    evidence={"residual": res, "lrs": lrs, "weight_decays": wds})
+
+
+def _parameter_groups(names, sizes, grads, before, updates, decay, norms, clip) -> list[tuple] | None:
+    """Each probed tensor fitted on its own (Adam's betas on the grid, a rate per step): [(lr, beta1, beta2, names)]
+    for each group of tensors stepped alike, where every tensor fits on its own and the groups' rates or betas differ
+    (nanochat's AdamW groups: an embedding at 35x the rate of the rest, betas of their own); else None."""
+    bounds = np.cumsum([0, *sizes])
+    fits = []
+    for j, name in enumerate(names):
+        cut = slice(bounds[j], bounds[j + 1])
+        g = [x[cut] for x in grads]
+        if not any(np.any(x) for x in g):
+            continue
+        p, u, dec = [x[cut] for x in before], [x[cut] for x in updates], decay[cut]
+        best = None
+        for c in {math.inf, clip}:  # (the clip one Adam for all read may be the misfit's)
+            for b1 in _BETA1:
+                for b2 in _BETA2:
+                    lrs, _wds, res = _fit_updates(_adam_dirs(g, norms, b1, b2, 1e-8, c), p, u, dec)
+                    if best is None or res < best[0]:
+                        best = (res, b1, b2, lrs)
+        res, b1, b2, lrs = best
+        if res > max(1e-2, 1.5 * _rounding(p, u)):
+            return None  # a tensor no Adam fits on its own either (to 1%): not parameter groups
+        known = [x for x in lrs if x is not None]
+        fits.append((float(np.median(known)), b1, b2, name))
+    groups: list[list] = []
+    for lr, b1, b2, name in sorted(fits, key=lambda f: -f[0]):
+        for grp in groups:
+            if math.isclose(lr, grp[0], rel_tol=0.05) and (b1, b2) == (grp[1], grp[2]):
+                grp[3].append(name)
+                break
+        else:
+            groups.append([lr, b1, b2, [name]])
+    return [tuple(x) for x in groups] if len(groups) > 1 else None
 
 
 def _alike(n: int) -> float:
