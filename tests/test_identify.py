@@ -410,3 +410,25 @@ def test_optimizer_parameter_groups_with_rates_and_betas_of_their_own():
     groups = f.evidence["groups"]
     assert [round(g[0], 4) for g in groups] == [0.034, 0.001] and groups[0][1:3] == [0.8, 0.999], groups
     assert groups[1][1:3] == [0.95, 0.9] and all(n.startswith("0.") for n in groups[0][3]), groups
+
+
+def test_micro_batches_are_read_from_the_list_your_loop_saved(tmp_path):
+    """A loop that saves its micro-batches as a list (nanochat: one per group, 4 of 4 rows, where the spec cuts 2 of
+    8) has its per-micro-batch mean read with its own count, and the built-in loop is told to cut as many."""
+    from harness.runlog.tensors import read_tensors, write_row
+
+    torch.manual_seed(5)
+    lengths = [3, 5, 2, 7, 4, 4, 6, 1, 2, 2, 5, 3, 7, 7, 1, 4]
+    ptl = torch.randn(16, 7)
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(7)] for n in lengths])
+    loss = float(sum((ptl * mask)[i:i + 4].sum() / mask[i:i + 4].sum() for i in range(0, 16, 4)) / 4)
+    path = tmp_path / "tensors.jsonl"
+    write_row(path, 1, {"mask": list(mask.split(4)), "per_token_loss": list(ptl.split(4)), "loss": loss})
+    t = read_tensors(path)[1]
+    assert t["micro_batches"] == [4, 4, 4, 4], t.keys()
+    comps = [[7] * n for n in lengths]
+    spec = types.SimpleNamespace(**vars(SPEC), STEPS_PER_GENERATION=1, NUM_ITERATIONS=1, GROUP_SIZE=4, MAX_TOKENS=7,
+                                 DTYPE="float32", GRAD_ACCUM=2, rewards=types.SimpleNamespace(weights=[1.0]))
+    w = next(f for f in identify.identify({1: t}, [{"completion_ids": comps}], spec, [2], 0, {}) if f.stage ==
+             "weighting")
+    assert w.settings == {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout", "GRAD_ACCUM": 4}, w

@@ -1175,8 +1175,11 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
             found["advantages"].append(advantages(t["rewards"], t["advantages"], spec.GROUP_SIZE, spec, step=step))
         if "mask" in t and _rows_of(t["mask"], len(comps)):
             found["mask"].append(mask(t["mask"], comps, eos_ids, spec, pad_id, spec.MAX_TOKENS, step=step))
+        parts = t.get("micro_batches")  # your own micro-batches (a list of tensors): their number, where equal
+        ga = len(parts) if isinstance(parts, list) and len(set(parts)) == 1 and sum(parts) == len(comps) \
+            else getattr(spec, "GRAD_ACCUM", 1)
         if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
-            w = weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), lengths, spec.GRAD_ACCUM,
+            w = weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), lengths, ga,
                           spec.MAX_TOKENS, spec, step=step, **tol)
         obj = None
         if all(k in t for k in ("per_token_loss", "advantages", "logps", "mask")) and _rows_of(t["logps"], len(comps)):
@@ -1187,13 +1190,19 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
             kl = (obj.evidence.get("kl") if obj is not None and obj.exact else None)
             weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings  # (a constant divisor fits any one step)
             if kl and weak:  # what it logs may leave the KL term out (verl logs it apart)
-                w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), lengths, spec.GRAD_ACCUM,
+                w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), lengths, ga,
                                spec.MAX_TOKENS, spec, step=step, **tol)
                 if w2.exact and not w2.no_switch:
                     w = dataclasses.replace(w2, rule=w2.rule + "; what it logs as its loss leaves the KL term out "
                                             "(logged otherwise than trained: not a difference in training)",
                                             same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
                                                                                     "logged_without_kl": True})
+            per_micro_batch = w.exact and (w.settings.get("LOSS_NORM") == "token_local" or w.same_as_spec and
+                                           getattr(spec, "LOSS_NORM", "") == "token_local")
+            if ga != getattr(spec, "GRAD_ACCUM", 1) and per_micro_batch:  # your micro-batches, not the spec's count
+                w = dataclasses.replace(w, rule=f"{w.rule} (in {ga} micro-batches of {parts[0]}, as your loop cut "
+                                        "them)", settings={**w.settings, "GRAD_ACCUM": ga}, same_as_spec=False,
+                                        settles=w.settles + ("GRAD_ACCUM",) if w.settles else ())
             found["weighting"].append(w)
     probes = [mine[s]["probe"] for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
     norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]

@@ -42,6 +42,15 @@ def _plain(value, name: str | None = None):
     return value
 
 
+def _parts(value, name: str) -> list[int] | None:
+    """The rows of each micro-batch in a list of tensors (per-token (B, T) or 1-D items, per-completion (B,)), or
+    None for anything else."""
+    if name not in PER_TOKEN and name not in PER_ROW or not isinstance(value, (list, tuple)) or len(value) < 2 \
+            or not all(hasattr(v, "shape") for v in value):
+        return None
+    return [int(v.shape[0]) if len(v.shape) > 1 or name in PER_ROW else 1 for v in value]
+
+
 def write_row(path: str | Path, step: int, named: dict) -> None:
     """Append one step's tensors (names from CHAIN) to `path`."""
     row = {"step": int(step)}
@@ -50,6 +59,9 @@ def write_row(path: str | Path, step: int, named: dict) -> None:
             raise ValueError(f"unknown tensor {name!r}; one of {', '.join(CHAIN)}")
         if value is not None:
             row[name] = value if name in EXTRA else _plain(value, name)
+            parts = _parts(value, name)
+            if parts:  # your micro-batches as you cut them: how many rows each held (the weighting stage reads it)
+                row.setdefault("micro_batches", parts)
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row, allow_nan=True) + "\n")
 
