@@ -678,7 +678,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     ratio = np.exp(lp - old)
     tol = atol + rtol * np.abs(ptl)
     forms = {"ratio": -np.minimum(ratio * a, np.clip(ratio, 1 - clip_low, 1 + clip_high) * a), "logp": -lp * a}
-    unsettled, out = [], None
+    unsettled, out, spread = [], None, 0.0
     for form, pg in forms.items():
         resid = ptl - pg
         if np.all(np.abs(resid) <= tol):
@@ -697,6 +697,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                     fits.append((est, beta, factor))
         if fits:
             out = (form, pg, fits[0])
+            spread = max(b for _, b, _ in fits) - min(b for _, b, _ in fits)  # (estimators alike: weights alike)
             ests = list(dict.fromkeys(e for e, _, _ in fits))
             if len(ests) > 1:
                 betas = [b for _, b, _ in fits]
@@ -721,7 +722,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                      "at ratio 1, another value: the logged loss differs in value alone)")
     if kl:
         est, beta, factor = kl
-        b = snap(beta, 1e-4 * beta, (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0))
+        b = snap(beta, max(1e-4 * beta, spread), (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0))
         words.append(f"adds a KL penalty {est} of weight {b:g}" + ("" if factor else ", not multiplied by the policy "
                                                                                 "ratio (TRL multiplies it)"))
         settings["BETA"] = b
