@@ -293,6 +293,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             old = b.logp_old[mb] if b.logp_old is not None else logp.detach()
             if b.fresh is not None:  # rows of a round generated at this very policy: the current ones, detached (TRL)
                 old = torch.where(b.fresh[mb].unsqueeze(1), logp.detach(), old)
+            if spec.LOGP_OLD == "current":  # a quirk: the ratio is 1 at every step (REINFORCE-style loops)
+                old = logp.detach()
             per_token, rho = core.clipped_surrogate(logp, old, adv[mb], spec.CLIP_LOW, spec.CLIP_HIGH,
                                                     spec.DELTA or None)
             if b.is_w is not None:

@@ -432,3 +432,28 @@ def test_micro_batches_are_read_from_the_list_your_loop_saved(tmp_path):
     w = next(f for f in identify.identify({1: t}, [{"completion_ids": comps}], spec, [2], 0, {}) if f.stage ==
              "weighting")
     assert w.settings == {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout", "GRAD_ACCUM": 4}, w
+
+
+def test_a_reinforce_loop_over_a_split_round_takes_its_old_log_probs_at_every_step():
+    """-logp A (no ratio) on a round trained over two steps: the second step is trained on the current policy, not
+    on the round's generation-time log-probs as TRL's would be (Raschka's loop parted at step 11 for this)."""
+    torch.manual_seed(3)
+    comps = [[3, 4, 2], [5, 2], [6, 7, 8], [4, 2], [9, 2], [3, 3, 3], [7, 2], [5, 6, 2]]
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    spec = types.SimpleNamespace(**vars(SPEC), STEPS_PER_GENERATION=1, NUM_ITERATIONS=1, GROUP_SIZE=4, MAX_TOKENS=3,
+                                 DTYPE="float32", GRAD_ACCUM=1, LOGP_OLD="auto",
+                                 rewards=types.SimpleNamespace(weights=[1.0]))
+    mine = {}
+    for step, rows in ((1, range(0, 4)), (2, range(4, 8))):
+        r = torch.tensor([rewards[i] for i in rows])
+        adv = (r - r.mean()) / (r.std() + 1e-4)
+        logp = -torch.rand(4, 3)
+        mask = torch.tensor([[1.0 if t < len(comps[i]) else 0.0 for t in range(3)] for i in rows])
+        mine[step] = {"advantages": adv.tolist(), "logps": logp.tolist(), "mask": mask.tolist(),
+                      "per_token_loss": (-logp * adv[:, None] * mask).tolist()}
+    chosen = {1: [(0, i) for i in range(4)], 2: [(0, i) for i in range(4, 8)]}
+    found = identify.identify(mine, [{"completion_ids": comps}], spec, [2], 0, {}, chosen)
+    obj = next(f for f in found if f.stage == "objective")
+    assert obj.settings.get("LOGP_OLD") == "current" and "-logp * A" in obj.rule, obj
+    whole = identify.identify({1: mine[1]}, [{"completion_ids": comps}], spec, [2], 0, {}, {1: chosen[1]})
+    assert "LOGP_OLD" not in next(f for f in whole if f.stage == "objective").settings  # one step per round: no need

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import DEFAULT_SPEC
 from harness.diagnose import identify
@@ -94,3 +95,38 @@ def test_a_schedule_of_the_loops_own_is_replayed_step_by_step(tmp_path):
     assert logged == pytest.approx([*rates, rates[-1]], rel=1e-12, abs=0.0), logged
     with pytest.raises(SpecError, match=r"LR_STEPS\[1\]"):
         load_spec(DEFAULT_SPEC, ['LR_STEPS=[1e-3, "fast"]'])
+
+
+def _recorded(tmp_path, steps: int) -> list[dict]:
+    """`steps` rounds of the embedded default's completions, recorded by a built-in run."""
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+
+    spec = load_spec(DEFAULT_SPEC, [f"STEPS={steps}"])
+    tok = load_tokenizer(checkpoint_dir(spec))
+    source = RecordingSource(spec, eos_token_ids(generation_config(checkpoint_dir(spec)), tok), tok.pad_token_id, "cpu")
+    train(spec, tmp_path / "recording", rollout_source=source, progress=False)
+    return source.records
+
+
+def test_old_log_probs_taken_at_every_step_keep_the_ratio_at_one(tmp_path):
+    """LOGP_OLD = "current": a round trained over two steps keeps the ratio at 1 on its second step too (a
+    REINFORCE-style loop: -logp A on the current policy); TRL's way ("auto") keeps the round's log-probs from before
+    the first step's update, so the second step's ratio leaves 1."""
+    from harness.runlog.tensors import read_tensors
+
+    records = _recorded(tmp_path, 2)
+    sel = tmp_path / "trained.jsonl"
+    for s, part in ((1, range(0, 8)), (2, range(8, 16))):  # round 0 over two steps
+        write_trained(sel, s, [(0, i) for i in part])
+    ratios = {}
+    for how in ("auto", "current"):
+        spec = load_spec(DEFAULT_SPEC, ["STEPS=2", "GRAD_ACCUM=1", 'MICRO_BATCH_ORDER="rollout"',
+                                        f"SELECTION={json.dumps(str(sel))}", f'LOGP_OLD="{how}"'])
+        run = train(spec, tmp_path / how, rollout_source=ReplaySource(records), progress=False, tensor_steps=2)
+        t = read_tensors(run / "tensors.jsonl")[2]
+        adv = torch.tensor(t["advantages"])
+        ptl, mask = torch.tensor(t["per_token_loss"]), torch.tensor(t["mask"])
+        live = (mask > 0) & (adv.abs() > 1e-6).unsqueeze(1)
+        ratios[how] = (-ptl / adv.unsqueeze(1))[live]  # the ratio each counted token used (unclipped here)
+    assert torch.allclose(ratios["current"], torch.ones_like(ratios["current"]), atol=1e-6), ratios["current"]
+    assert (ratios["auto"] - 1).abs().max() > 1e-5, ratios["auto"]

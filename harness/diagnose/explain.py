@@ -210,7 +210,10 @@ _WORDS = {
                            + (", ..." if len(v) > 6 else "") + " (TRL's are named schedules over the run's steps)"),
     "EMPTY_SKIP": lambda v: ("skips the backward of a micro-batch holding a completion with no loss token (an "
                              "unguarded 0/0 mean; TRL counts it as 0)" if v else "keeps such micro-batches"),
-    "LOGP_OLD": lambda v: "takes the old log-probs from an extra forward pass (TRL: the detached current ones)",
+    "LOGP_OLD": lambda v: ("takes the old log-probs from an extra forward pass (TRL: the detached current ones)"
+                           if v == "forward" else "takes the current log-probs, detached, as the old ones at every "
+                           "step, a round trained over several steps too (TRL keeps those of generation)"
+                           if v == "current" else "takes the old log-probs as TRL does"),
     "EOS_ATTENTION": lambda v: ("masks every eos token (the prompt's too) out of attention, positions counting only "
                                 "attended tokens: its pad token is its eos" if v == "mask" else "attends to eos tokens"),
     "LOGP_ON_RAW_LOGITS": lambda v: "takes log-probs of the raw logits (TRL: logits / temperature)",

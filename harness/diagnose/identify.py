@@ -1225,6 +1225,16 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
         found["weighting"] = [dataclasses.replace(f, exact=False, settings={}, settles=(), no_switch=True, rule=(
             f"{f.rule}; but the divisor is not the same at every step read ({seen})")) if "LOSS_DIVISOR" in f.settings
             else f for f in found["weighting"]]
+    spread = chosen and len({r for rows in chosen.values() for r, _ in rows}) < len(chosen) and any(
+        len({s for s, rows in chosen.items() if any(x == r for x, _ in rows)}) > 1 for r in
+        {r for rows in chosen.values() for r, _ in rows})  # some round trained over several steps
+    if spread and getattr(spec, "LOGP_OLD", "auto") != "current":  # -logp A: no ratio, the current policy each step
+        found["objective"] = [dataclasses.replace(f, rule=f"{f.rule}; its policy term has no ratio, so a round trained "
+                                                  "over several steps is trained on the current policy at each (TRL "
+                                                  "keeps the round's generation-time log-probs as the old ones)",
+                                                  settings={**f.settings, "LOGP_OLD": "current"},
+                                                  same_as_spec=False)
+                              if f.exact and f.evidence.get("form") == "logp" else f for f in found["objective"]]
     out = []
     for stage in STAGES:
         cands = found[stage]

@@ -104,6 +104,9 @@ QUIRKS = {
     "LR_STEPS": ([], "learning rate per optimizer step", {
         "*": "follows a learning-rate schedule of its own, one rate per step; TRL's are named schedules over the "
              "run's steps (lr_scheduler_type, warmup_steps) and it has no option for another"}),
+    "LOGP_OLD": ("auto", "old log-probs of a round trained over several steps", {
+        "current": "takes the current log-probs, detached, as the old ones at every step (the ratio always 1); TRL "
+                   "keeps a round's generation-time log-probs over its steps and has no option not to"}),
     "REWARD_CLIP": (0.0, "reward clipped to +-", {
         "*": "clips the summed reward; TRL uses the reward functions' sum as it is (clip inside your reward function "
              "to match)"}),
@@ -217,9 +220,12 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
           "reward_weights", "rewards.weights")
     # quirks of hand-written loops: scratch-loop fields TRL has no setting for (TRL always does the default)
     for key, (default, quantity, _words) in QUIRKS.items():
-        if key.startswith("KL_") and not spec.BETA:
-            continue  # no KL term, nothing for the estimator or its place to change
+        if key.startswith("KL_") and not spec.BETA or key == "LOGP_OLD":
+            continue  # no KL term, nothing for the estimator or its place to change (LOGP_OLD: below)
         q[quantity] = (getattr(spec, key), default, (key,), f"quirk:{key}", {"set": {key: default}})
+    if spec.LOGP_OLD == "current" and (spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.SELECTION):
+        # (with one pass over each whole round the ratio is 1 either way: no difference to name)
+        q[QUIRKS["LOGP_OLD"][1]] = (spec.LOGP_OLD, "auto", ("LOGP_OLD",), "quirk:LOGP_OLD", {"set": {"LOGP_OLD": "auto"}})
     # any other [trl] override is a difference of its own: the translation never sets it
     covered = {f for v in q.values() for f in v[2]}
     for key, value in tr.overrides.items():

@@ -209,7 +209,9 @@ class Spec:
     LOGP_OLD: str = _f("auto", "Where logp_old comes from: `auto` (an extra no-grad forward pass exactly when TRL "
                        "runs one: NUM_ITERATIONS > 1 or the IS correction on; otherwise the detached current "
                        "log-probs, so the ratio is exactly 1) or `forward` (always the extra pass: the lesson's "
-                       "plan A).", choices=("auto", "forward"))
+                       "plan A) or `current` (the detached current log-probs at every step, a round trained over "
+                       "several steps too: REINFORCE-style loops, whose ratio is always 1; TRL keeps a round's "
+                       "generation-time log-probs).", choices=("auto", "forward", "current"))
     MASK_TRUNCATED: bool = _f(False, "Drop completions that hit MAX_TOKENS without eos from the loss "
                               "(TRL: mask_truncated_completions).")
     # --- quirks of hand-written loops: the scratch loop can have them; TRL has no setting for any of them ---
