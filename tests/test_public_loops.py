@@ -68,3 +68,14 @@ def test_nemo_rls_grpo_with_its_leave_one_out_baseline_and_warmup(tmp_path):
     assert scratch["ADV_BASELINE"] == "loo" and scratch["LR_STEPS"][:2] == [5e-07, 5.9e-07], scratch
     notes = " ".join(found["notes"])
     assert "could not tell: with adam_beta2 = 0.999" in notes and "weight_decay = 0.01" in notes, notes
+
+
+def test_raschkas_book_script_one_group_per_step_on_the_current_policy(tmp_path):
+    """Raschka's reasoning-from-scratch GRPO script: one prompt group per step (a round over four steps), -(A *
+    sum_t logp).mean() on the current policy at each step (no ratio), torch's AdamW defaults at lr 1e-5, the
+    correctness reward alone. The tiny model earns no reward on its first six steps, so 12 steps of tensors."""
+    found = _explained(tmp_path, "raschka_grpo.py", tensor_steps=12)
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["fix"]["trl"] == {"learning_rate": 1e-05, "reward_weights": [1.0, 0.0]}, found["fix"]
+    scratch = found["fix"]["scratch"]
+    assert scratch["LOGP_OLD"] == "current" and scratch["LOSS_DIVISOR"] == 4.0 and "SELECTION" in scratch, scratch
