@@ -457,3 +457,11 @@ def test_a_reinforce_loop_over_a_split_round_takes_its_old_log_probs_at_every_st
     assert obj.settings.get("LOGP_OLD") == "current" and "-logp * A" in obj.rule, obj
     whole = identify.identify({1: mine[1]}, [{"completion_ids": comps}], spec, [2], 0, {}, {1: chosen[1]})
     assert "LOGP_OLD" not in next(f for f in whole if f.stage == "objective").settings  # one step per round: no need
+
+
+def test_fitted_reward_weights_round_a_zero_to_zero():
+    """Least squares leaves -6e-17 for a reward function weighted 0 (a full suite run read [1.0, -6.132e-17] once)."""
+    from harness.diagnose.tensordiff import round_weights
+
+    assert round_weights([1.0, -6.132e-17]) == [1.0, 0.0]
+    assert round_weights([0.123456, 2.0, -3e-9]) == [0.1235, 2.0, 0.0]

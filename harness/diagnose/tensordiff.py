@@ -247,6 +247,13 @@ def guesses_of(chain: list[dict], first: dict) -> list[dict]:
 CLIP_NORMS = (0.0, 0.1, 0.2, 0.5, 1.0)
 
 
+def round_weights(w: list[float]) -> list[float]:
+    """Fitted weights to 4 significant digits, and 0 for a weight under 1e-6 of the largest (least squares leaves
+    -6e-17 where a function's weight is 0, and the rounding to 4 digits keeps it)."""
+    top = max((abs(v) for v in w), default=0.0)
+    return [0.0 if abs(v) <= 1e-6 * top else float(f"{v:.4g}") for v in w]
+
+
 def fit_reward_weights(rewards: list[float], scores: dict[str, list[float]], atol: float, rtol: float) -> list | None:
     """The weights w with rewards = sum_k w_k * scores[k] (each completion's total from the spec's reward functions'
     scores, in the spec's order), fitted by least squares and rounded to 4 significant digits; None when no weights
@@ -262,7 +269,7 @@ def fit_reward_weights(rewards: list[float], scores: dict[str, list[float]], ato
     y = torch.tensor([rewards[i] for i in keep], dtype=torch.float64)
     if int(torch.linalg.matrix_rank(x)) < len(columns):
         return None
-    w = [float(f"{v:.4g}") for v in torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()]
+    w = round_weights(torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist())
     fit = x @ torch.tensor(w, dtype=torch.float64)
     return w if bool(((fit - y).abs() <= atol + rtol * y.abs()).all()) else None
 
