@@ -35,23 +35,36 @@ from scratch_grpo import core
 
 def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                        completion_mask: torch.Tensor, temperature: float, entropy_temperature: float | None = None,
-                       masked_eos: tuple[int, ...] = ()):
+                       masked_eos: tuple[int, ...] = (), dropped: int | None = None):
     """Per-token log-probs (B, T) of the completion tokens, and with `entropy_temperature` the entropy (B, T) of
     softmax(logits / entropy_temperature) (no gradient); else None.
 
     Only input_ids and attention_mask go in (positions are the model's default), as TRL scores them. `masked_eos`
     (a quirk, EOS_ATTENTION = "mask"): these tokens are masked out of attention, and positions count only the
-    attended tokens (`cumsum(mask) - 1`, 1 where masked), as a loop whose pad token is its eos does.
+    attended tokens (`cumsum(mask) - 1`, 1 where masked), as a loop whose pad token is its eos does. `dropped` (a
+    quirk, MASK_TOKEN_DROP): every completion token with this id is taken out of the sequence, as a loop that packs
+    its sequences without pad tokens does: out of attention, positions counting only the tokens kept, and each kept
+    token scored from the last kept position before it (the dropped token's own log-prob is left, for the loss mask
+    to leave out).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     T = completion_ids.size(1)
     extra = {}
+    kept = None
+    if dropped is not None:
+        kept = ~((completion_ids == dropped) & (completion_mask > 0))
+        attention = attention * torch.cat([torch.ones_like(prompt_mask, dtype=torch.bool), kept], dim=1)
     if masked_eos:
         attention = attention * ~torch.isin(input_ids, torch.tensor(masked_eos, device=input_ids.device))
+    if masked_eos or kept is not None:
         positions = attention.long().cumsum(-1) - 1
         extra["position_ids"] = positions.masked_fill(attention == 0, 1)
     logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1, **extra).logits[:, :-1]
+    if kept is not None:  # token j from the last kept position before it (0: the prompt's last token)
+        at = torch.arange(1, T + 1, device=kept.device).expand_as(kept) * kept  # 1 + index where kept, else 0
+        source = torch.cat([torch.zeros_like(at[:, :1]), at[:, :-1]], dim=1).cummax(dim=1).values
+        logits = logits.gather(1, source.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
     if entropy_temperature is None:
         return core.token_logprobs(logits, completion_ids, temperature), None
     return core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
@@ -169,6 +182,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     at = types.SimpleNamespace(step=0, tokens_seen=0, prompts_seen=0, stopped=False, t0=time.perf_counter())
     logp_temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE  # raw logits: a quirk
     masked_eos = tuple(eos_ids) if spec.EOS_ATTENTION == "mask" else ()  # pad = eos: a quirk
+    dropped = spec.MASK_TOKEN_ID if spec.MASK_TOKEN_ID >= 0 and spec.MASK_TOKEN_DROP else None  # a quirk
 
     def prepare(r: int) -> types.SimpleNamespace:
         """Round r as it stands when it is generated: its prompts (each repeated G times: a group), completions,
@@ -224,6 +238,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         # the tokens the loss counts: the completion mask (TRL), or a quirk's (no eos, or the padding too)
         ends_with_eos = torch.tensor([bool(ids) and ids[-1] in eos_ids for ids in completion_ids], device=device)
         l_mask = core.loss_mask(c_mask, ends_with_eos, spec.COMPLETION_MASK)
+        if spec.MASK_TOKEN_ID >= 0:  # a quirk: a mask built from `ids != token` (the pad id, say) wherever it stands
+            l_mask = l_mask * (c_ids != spec.MASK_TOKEN_ID)
         generated_tokens = sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
         mb_size = N // (GA * S)
 
@@ -231,7 +247,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             with torch.no_grad(), autocast_for(device, spec.DTYPE):
                 return torch.cat([completion_forward(net, p_ids[s:s + mb_size], p_mask[s:s + mb_size],
                                                      c_ids[s:s + mb_size], c_mask[s:s + mb_size],
-                                                     logp_temperature, masked_eos=masked_eos)[0]
+                                                     logp_temperature, masked_eos=masked_eos, dropped=dropped)[0]
                                   for s in range(0, N, mb_size)])
 
         # (a selection of rows may train on this round after an update: its old log-probs are taken now)
@@ -288,7 +304,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             with autocast_for(device, spec.DTYPE):
                 logp, entropy = completion_forward(model, b.p_ids[mb], b.p_mask[mb], b.c_ids[mb], b.c_mask[mb],
                                                    logp_temperature, entropy_temperature=spec.TEMPERATURE,
-                                                   masked_eos=masked_eos)
+                                                   masked_eos=masked_eos, dropped=dropped)
             mask = b.c_mask[mb].float()
             old = b.logp_old[mb] if b.logp_old is not None else logp.detach()
             if b.fresh is not None:  # rows of a round generated at this very policy: the current ones, detached (TRL)

@@ -95,7 +95,8 @@ def test_mask_on_a_random_token_id(seed):
     width = max(map(len, comps))
     rows = [[1 if t < len(c) and c[t] != pad else 0 for t in range(width)] for c in comps]
     f = identify.mask(rows, comps, [2], SPEC, pad_id=pad)
-    assert f.no_switch and f"id {pad} (the pad token's id" in f.rule, f
+    assert f.settings == {"MASK_TOKEN_ID": pad} and f"id {pad} (the pad token's id" in f.rule, f
+    assert not f.no_switch and any("MASK_TOKEN_DROP" in u for u in f.unsettled), f  # out of the sequence too? the search
 
 
 def test_mask_no_eos_truncated_padding_and_same():
@@ -362,7 +363,7 @@ def test_a_mask_rule_read_at_one_step_stands_where_other_steps_had_nothing_for_i
                                  DTYPE="float32", rewards=types.SimpleNamespace(weights=[1.0]))
     found = identify.identify(mine, [{"completion_ids": c} for c in rounds], spec, [2], pad, {})
     m = next(f for f in found if f.stage == "mask")
-    assert m.step == 1 and m.no_switch and f"id {pad}" in m.rule, m
+    assert m.step == 1 and m.settings == {"MASK_TOKEN_ID": pad} and f"id {pad}" in m.rule, m
 
 
 @pytest.mark.parametrize("seed", range(4))

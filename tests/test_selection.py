@@ -130,3 +130,25 @@ def test_old_log_probs_taken_at_every_step_keep_the_ratio_at_one(tmp_path):
         ratios[how] = (-ptl / adv.unsqueeze(1))[live]  # the ratio each counted token used (unclipped here)
     assert torch.allclose(ratios["current"], torch.ones_like(ratios["current"]), atol=1e-6), ratios["current"]
     assert (ratios["auto"] - 1).abs().max() > 1e-5, ratios["auto"]
+
+
+def test_a_token_dropped_from_the_sequence_scores_as_if_it_was_never_there():
+    """MASK_TOKEN_DROP: the built-in loop's forward with a completion token taken out of the sequence (out of
+    attention, positions counting only the tokens kept, each kept token scored from the last kept position before
+    it) gives the kept tokens the log-probs of the sequence without that token; without the switch they differ."""
+    from harness.experiment.models import checkpoint_dir
+    from scratch_grpo.train import completion_forward
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(load_spec(DEFAULT_SPEC)), dtype=torch.float32).eval()
+    prompt = torch.tensor([[5, 9, 11, 4]])
+    full = torch.tensor([[7, 3, 12, 3, 8, 6]])  # token 3 is dropped wherever it stands
+    kept = torch.tensor([[7, 12, 8, 6]])
+    ones = lambda t: torch.ones_like(t)  # noqa: E731
+    with torch.no_grad():
+        dropped = completion_forward(model, prompt, ones(prompt), full, ones(full), 1.0, dropped=3)[0]
+        plain = completion_forward(model, prompt, ones(prompt), kept, ones(kept), 1.0)[0]
+        kept_in = completion_forward(model, prompt, ones(prompt), full, ones(full), 1.0)[0]
+    at = [0, 2, 4, 5]  # the kept tokens' places in the full completion
+    torch.testing.assert_close(dropped[0, at], plain[0], rtol=1e-5, atol=1e-5)
+    assert (kept_in[0, at] - plain[0]).abs().max() > 1e-3  # kept in the sequence, the tokens after it score otherwise

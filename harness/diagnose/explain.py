@@ -123,6 +123,8 @@ def options(spec, logged: set[str]) -> list[Option]:
     out += [Option("COMPLETION_MASK", v, 1) for v in ("no_eos", "all") if v != spec.COMPLETION_MASK]
     out += [Option("EOS_ATTENTION", "mask" if spec.EOS_ATTENTION == "attend" else "attend", 1)]
     out += [Option("EMPTY_SKIP", not spec.EMPTY_SKIP, 1)]
+    if spec.MASK_TOKEN_ID >= 0:  # the masked token out of the sequence too, or only out of the loss
+        out += [Option("MASK_TOKEN_DROP", not spec.MASK_TOKEN_DROP, 1)]
     out += [Option("LOGP_OLD", "forward", 1)] if spec.LOGP_OLD != "forward" else []
     out += [Option("LOSS_SUM", True, 1)] if not spec.LOSS_SUM else []
     if spec.LOSS_NORM == "token_local" and spec.GRAD_ACCUM > 1 and spec.MICRO_BATCH_ORDER == "shuffled":
@@ -194,6 +196,9 @@ _WORDS = {
     "STD": lambda v: ("divides by the population std (n; TRL: Bessel's n-1, fixed)" if v == "population"
                       else "divides by Bessel's std (n-1)"),
     "STD_EPS_INSIDE": lambda v: "scales advantages by sqrt(var + eps) (TRL: std + eps)",
+    "MASK_TOKEN_ID": lambda v: f"leaves every completion token with id {v} out of the loss, wherever it stands",
+    "MASK_TOKEN_DROP": lambda v: ("takes that token out of the sequence the model sees, too (packing without it)" if v
+                                  else "keeps that token in the sequence the model sees"),
     "ADV_BASELINE": lambda v: ("centres each reward on the mean of its group's other completions (leave-one-out; "
                                "TRL: the group's own mean)" if v == "loo" else "centres each reward on its group's mean"),
     "COMPLETION_MASK": lambda v: {"no_eos": "leaves each completion's eos token out of the loss (TRL counts it)",

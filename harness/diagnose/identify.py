@@ -490,6 +490,7 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     counted = sum(map(sum, (r[:n] for r, n in zip(mine, lengths))))
     ev = {"out": len(out), "padding_counted": len(padding), "tokens": counted}
     rules, settings, no_switch, left = [], {}, False, set(out)
+    token_unsettled: tuple = ()
     # truncated completions entirely out (TRL's mask_truncated_completions), or entirely in against it
     whole = {i for i in range(len(mine)) if lengths[i] and all((i, t) in left for t in range(lengths[i]))}
     if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]}:
@@ -514,7 +515,13 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
             pad = f" (the pad token's id, {pad_id}: a mask built from `ids != pad_id`)" if pad_id in ids else ""
             rules.append(f"leaves every token with id {named}{pad} out of the loss, wherever it stands "
                          f"({len(left)} token(s) here)")
-            no_switch = True
+            if len(ids) == 1:  # one id: MASK_TOKEN_ID (whether it also leaves the sequence is the search's to tell)
+                settings["MASK_TOKEN_ID"] = int(next(iter(ids)))
+                token_unsettled = ("whether that token also leaves the sequence the model sees (MASK_TOKEN_DROP, as a "
+                                   "loop that packs its sequences without pad tokens does): the mask cannot tell, the "
+                                   "log-probs after it can: the search decides",)
+            else:
+                no_switch = True
             left = set()
         else:
             starts = {}
@@ -554,9 +561,13 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     settings = {k: v for k, v in settings.items() if not (k == "COMPLETION_MASK" and v == spec_mask)
                 and not (k == "MASK_TRUNCATED" and v == mask_trunc)}
     exact = not unexplained
+    spec_token = getattr(spec, "MASK_TOKEN_ID", -1) if spec else -1
+    if settings.get("MASK_TOKEN_ID") == spec_token:
+        settings.pop("MASK_TOKEN_ID")
     return Finding("mask", step, "your loop " + "; ".join(rules), settings, exact, no_switch=no_switch, evidence=ev,
-                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED") if k in settings or k in shows)
-                   if exact and not no_switch else ())
+                   unsettled=token_unsettled,
+                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID")
+                                 if k in settings or k in shows) if exact and not no_switch else ())
 
 
 # ---------------------------------------------------------------------------------------------

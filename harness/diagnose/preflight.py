@@ -101,6 +101,12 @@ QUIRKS = {
         "*": "divides the step's masked per-token losses' sum by a constant; no TRL loss_type does that"}),
     "LOSS_SUM": (False, "loss summed, not averaged", {
         True: "sums the per-token losses without normalising; no TRL loss_type does that"}),
+    "MASK_TOKEN_ID": (-1, "token id left out of the loss", {
+        "*": "leaves every completion token with one id out of the loss, wherever it stands (a mask built from "
+             "`ids != pad_id`); TRL masks only after the eos and has no option for it"}),
+    "MASK_TOKEN_DROP": (False, "masked token dropped from the sequence", {
+        True: "takes that token out of the sequence the model sees (packing without pad tokens); TRL feeds every "
+              "generated token and has no option not to"}),
     "LR_STEPS": ([], "learning rate per optimizer step", {
         "*": "follows a learning-rate schedule of its own, one rate per step; TRL's are named schedules over the "
              "run's steps (lr_scheduler_type, warmup_steps) and it has no option for another"}),

@@ -234,6 +234,12 @@ class Spec:
     KL_IN_REWARD: bool = _f(False, "Put the KL penalty in the reward (r - BETA x the completion's summed KL, before "
                             "the advantages) instead of the loss (TRL).")
     STD_EPS_INSIDE: bool = _f(False, "Scale advantages by sqrt(var + STD_EPS) instead of std + STD_EPS (TRL).")
+    MASK_TOKEN_ID: int = _f(-1, "A token id your loss leaves out wherever it stands in a completion (a mask built from "
+                            "`ids != pad_id`, where a generated token equal to the pad id drops out too); -1 = none. "
+                            "TRL has no setting for it.", min=-1)
+    MASK_TOKEN_DROP: bool = _f(False, "With MASK_TOKEN_ID: that token also leaves the sequence the model sees (a loop "
+                               "that packs its sequences without pad tokens, as open-instruct does): out of attention, "
+                               "positions counting only the tokens kept.")
     ADV_BASELINE: str = _f("group", "What each reward is centred on: its group's mean (`group`, TRL) or the mean of "
                            "the group's other completions (`loo`: leave-one-out, RLOO's and NeMo-RL's baseline; with "
                            "ADV_SCALE = group the std is the others' too, and a completion whose others are alike is "
