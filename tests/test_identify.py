@@ -466,3 +466,19 @@ def test_fitted_reward_weights_round_a_zero_to_zero():
 
     assert round_weights([1.0, -6.132e-17]) == [1.0, 0.0]
     assert round_weights([0.123456, 2.0, -3e-9]) == [0.1235, 2.0, 0.0]
+
+
+def test_a_kl_weight_snaps_to_the_nearest_round_value_within_its_spread():
+    """k2 and k3 fit alike at a small log-ratio with weights 0.00995 to 0.01: 0.01 (NeMo-RL's). A wide spread (k1's
+    weight far off) must not snap 0.01 to 0.001, the first round value inside it (open-instruct's read 0.001)."""
+    for seed, shift in ((15, 0.05), (16, 0.08), (2, 0.2), (2, 0.8)):  # small log-ratios (estimators alike), larger
+        torch.manual_seed(seed)
+        logp = -torch.rand(4, 6) * 2
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        ref = logp + shift * torch.randn(4, 6)
+        d = ref - logp
+        k3 = torch.exp(d) - d - 1
+        ptl = -adv[:, None] + 0.01 * k3
+        f = identify.objective(ptl.tolist(), adv.tolist(), logp.tolist(), [[1] * 6] * 4, [6] * 4,
+                               ref_logps=ref.tolist(), spec=SPEC)
+        assert f.settings.get("BETA") == 0.01, (seed, shift, f)

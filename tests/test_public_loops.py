@@ -79,3 +79,19 @@ def test_raschkas_book_script_one_group_per_step_on_the_current_policy(tmp_path)
     assert found["fix"]["trl"] == {"learning_rate": 1e-05, "reward_weights": [1.0, 0.0]}, found["fix"]
     scratch = found["fix"]["scratch"]
     assert scratch["LOGP_OLD"] == "current" and scratch["LOSS_DIVISOR"] == 4.0 and "SELECTION" in scratch, scratch
+
+
+def test_open_instructs_grpo_fast_with_its_pad_tokens_packed_out(tmp_path):
+    """open-instruct's grpo_fast: flat groups filtered out, centred advantages, dapo, no clipping, TRL's linear decay
+    after a one-step warmup logged a step ahead, and every generated pad token taken out of the packed sequence: the
+    mask's token and its drop as the built-in loop's switches, the rest in TRL's terms; its KL (0.01, no ratio factor)
+    acts under the tolerance at lr 1e-6, said as what the run could not tell."""
+    found = _explained(tmp_path, "openinstruct_grpo.py")
+    assert found["status"] == "confirmed", found["evidence"]
+    assert found["fix"]["trl"] == {"loss_type": "dapo", "scale_rewards": "none", "learning_rate": 1e-06,
+                                   "lr_scheduler_type": "linear", "warmup_steps": 1, "max_grad_norm": 0.0,
+                                   "reward_weights": [10.0, 1.0]}, found["fix"]
+    scratch = found["fix"]["scratch"]
+    assert scratch["MASK_TOKEN_ID"] == 0 and scratch["MASK_TOKEN_DROP"] is True and "SELECTION" in scratch, scratch
+    kl = next((n for n in found["notes"] if n.startswith("this run could not tell: with beta = ")), "")
+    assert "0.01" in kl, found["notes"]

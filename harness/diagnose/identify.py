@@ -733,7 +733,8 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                      "at ratio 1, another value: the logged loss differs in value alone)")
     if kl:
         est, beta, factor = kl
-        b = snap(beta, max(1e-4 * beta, spread), (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0))
+        near = min((0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0), key=lambda v: abs(v - beta))
+        b = near if abs(near - beta) <= max(1e-4 * beta, min(spread, 0.05 * beta)) else snap(beta, 1e-4 * beta, ())
         words.append(f"adds a KL penalty {est} of weight {b:g}" + ("" if factor else ", not multiplied by the policy "
                                                                                 "ratio (TRL multiplies it)"))
         settings["BETA"] = b
