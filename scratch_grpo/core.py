@@ -39,7 +39,8 @@ def loo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
                    eps: float = 1e-4, eps_inside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out (a quirk; TRL centres on the group's own mean): A_i = r_i - mean of the group's other
     completions, divided (`scale = group`) by the std of those others (Bessel's or the population's) + eps, and not
-    divided where the others are alike (their std 0). `scale = batch` divides by the batch's std as group_advantages
+    divided where their std computes as 0 (others alike in float32 can leave a rounding residue from the sums of
+    squares, and that residue divides, as in NeMo-RL). `scale = batch` divides by the batch's std as group_advantages
     does. Computed from the group's sums, as NeMo-RL does: the others' mean (S - r_i) / (G - 1), their variance from the
     mean of squares. Returns (advantages, each group's own std per element: the
     std TRL's frac_reward_zero_std counts). NaN rewards count 0 and their advantage is 0."""

@@ -350,7 +350,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         if capture:
             write_row(writer.dir / TENSORS_FILE, step, {
                 "rewards": b.rewards, "advantages": b.advantages, "mask": b.l_mask, "logps": seen_logps,
-                "old_logps": b.logp_old, "ref_logps": b.ref_logps, "per_token_loss": seen_loss,
+                "old_logps": seen_logps if spec.LOGP_OLD == "current" else b.logp_old,  # (the ones the loss used)
+                "ref_logps": b.ref_logps, "per_token_loss": seen_loss,
                 "loss": step_loss, "grad_norm": grad_norm})
 
         # ---- 6. log this optimizer step ------------------------------------------------------------

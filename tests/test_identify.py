@@ -482,3 +482,40 @@ def test_a_kl_weight_snaps_to_the_nearest_round_value_within_its_spread():
         f = identify.objective(ptl.tolist(), adv.tolist(), logp.tolist(), [[1] * 6] * 4, [6] * 4,
                                ref_logps=ref.tolist(), spec=SPEC)
         assert f.settings.get("BETA") == 0.01, (seed, shift, f)
+
+
+def test_micro_batch_sizes_only_from_lists_of_micro_batches(tmp_path):
+    """A list of numbers (0-d tensors) or of one completion's per-token rows is not micro-batches: no sizes recorded,
+    and nothing breaks (a review found IndexError on 0-d items and [1] * N read as N micro-batches)."""
+    import numpy as np
+
+    from harness.runlog.tensors import read_tensors, write_row
+
+    path = tmp_path / "t.jsonl"
+    write_row(path, 1, {"rewards": [torch.tensor(1.0), np.float32(0.5)], "mask": [torch.ones(3), torch.ones(2)]})
+    assert "micro_batches" not in read_tensors(path)[1]
+    write_row(path, 2, {"rewards": [torch.ones(2), torch.zeros(2)]})
+    assert read_tensors(path)[2]["micro_batches"] == [2, 2]
+
+
+def test_leave_one_out_read_at_a_group_of_two_and_past_a_float32_residue():
+    """RLOO at GROUP_SIZE 2 (A = r_i - r_j, never divided) is leave-one-out, not a batch std with an odd epsilon; and
+    others that are alike but leave a float32 residue in the sums of squares (NeMo-RL divides by it) still read."""
+    from scratch_grpo.core import group_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.5, 0.0, 0.2, 0.9])
+    adv, _ = group_advantages(r, 2, "none", "bessel", 1e-6, False, baseline="loo")
+    f = identify.advantages(r.tolist(), adv.tolist(), 2, SPEC)
+    assert f.settings.get("ADV_BASELINE") == "loo" and f.settings.get("ADV_SCALE") == "none", f
+    r = torch.tensor([1.2, 1.2, 1.2, 0.9, 0.3, 1.0, 0.0, 0.7])
+    adv, _ = group_advantages(r, 4, "group", "bessel", 1e-6, False, baseline="loo")
+    f = identify.advantages(r.tolist(), adv.tolist(), 4, SPEC)
+    assert f.exact and f.settings.get("ADV_BASELINE") == "loo", (f, adv)
+
+
+def test_an_objective_read_where_every_advantage_is_0_says_nothing():
+    """A step with every advantage 0 and no KL term has per-token losses of 0 under any objective: not a reading (it
+    had won as 'TRL's objective' over the step that showed -logp A, by coming first)."""
+    logp = (-torch.rand(4, 3)).tolist()
+    f = identify.objective([[0.0] * 3] * 4, [0.0] * 4, logp, [[1] * 3] * 4, [3] * 4, spec=SPEC)
+    assert not f.readable, f

@@ -128,6 +128,8 @@ def test_old_log_probs_taken_at_every_step_keep_the_ratio_at_one(tmp_path):
         ptl, mask = torch.tensor(t["per_token_loss"]), torch.tensor(t["mask"])
         live = (mask > 0) & (adv.abs() > 1e-6).unsqueeze(1)
         ratios[how] = (-ptl / adv.unsqueeze(1))[live]  # the ratio each counted token used (unclipped here)
+        if how == "current":  # the old log-probs saved are the ones the loss used
+            assert t["old_logps"] == t["logps"]
     assert torch.allclose(ratios["current"], torch.ones_like(ratios["current"]), atol=1e-6), ratios["current"]
     assert (ratios["auto"] - 1).abs().max() > 1e-5, ratios["auto"]
 

@@ -127,3 +127,13 @@ def test_cli_help_lists_subcommands(tmp_path):
     assert r.returncode == 0
     for sub in ("run", "parity", "validate", "spec-help"):
         assert sub in r.stdout
+
+
+def test_dropping_a_token_without_its_id_is_no_difference():
+    """MASK_TOKEN_DROP acts on the token MASK_TOKEN_ID names: without one it changes nothing, and the preflight names
+    no difference for it (a search may try the drop on its own; that run is the spec's)."""
+    from harness.diagnose.preflight import preflight
+
+    checks = lambda spec: {d.check for d in preflight(spec)[1]}  # noqa: E731
+    assert "quirk:MASK_TOKEN_DROP" not in checks(load_spec(DEFAULT_SPEC, ["MASK_TOKEN_DROP=true"]))
+    assert "quirk:MASK_TOKEN_DROP" in checks(load_spec(DEFAULT_SPEC, ["MASK_TOKEN_DROP=true", "MASK_TOKEN_ID=0"]))

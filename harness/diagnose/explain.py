@@ -372,8 +372,8 @@ def untold_words(search, changes: dict) -> list[str]:
     base = apply_alignment(search.base, {"set": changes})
     out = []
     for key, values in LOOK_ALIKE.items():
-        if key == "KL_IS_CORRECTION" and not base.BETA:
-            continue  # no KL term: nothing for its ratio factor to act on
+        if key == "KL_IS_CORRECTION" and not base.BETA or key in search.settled:
+            continue  # no KL term: nothing for its ratio factor to act on (a field your tensors settled: not a guess)
         have = getattr(base, key)
         alike = [v for v in values if v != have and search.whole({**changes, key: v}).agree >= search.steps]
         if alike:

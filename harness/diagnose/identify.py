@@ -177,7 +177,7 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
     """Your advantages as a function of your own rewards (`_centred_on_a_mean`), and where no centring on a mean
     fits, on the mean of the group's other completions (leave-one-out, `_leave_one_out`)."""
     found = _centred_on_a_mean(rewards, adv, group, spec, rtol, atol, step)
-    if found.readable and group >= 3:
+    if found.readable and group >= 2:
         r, a = _arr(rewards), _arr(adv)
         loo = _leave_one_out(r, a, group, spec, rtol, atol, step)
         # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
@@ -241,9 +241,10 @@ def _leave_one_out(r, a, group: int, spec, rtol: float, atol: float, step) -> Fi
         m = (total - g) / n
         var = (((squares - g * g) / n - m * m) * (n / (n - ddof))).reshape(-1)
         sd = np.sqrt(np.clip(var, 0.0, None))
-        alike = sd <= 1e-9 * max(float(np.abs(r).max()), 1.0)
-        if not np.all(np.abs(a[alike] - c[alike]) <= tol[alike]):
-            continue  # (where the others are alike, the advantage is r_i - their mean, undivided)
+        # where the others are alike the advantage is r_i - their mean, undivided; but a loop that takes their std
+        # from sums of squares in float32 (NeMo-RL) can leave a rounding residue there and divide by it: such an
+        # element is not read (either value is the rule's)
+        alike = sd <= 1e-6 * max(float(np.abs(r).max()), 1.0)
         div = ~alike & (np.abs(c) > 1e-7)
         if not np.any(div) or np.any(np.abs(a[div]) <= 1e-12):
             continue
@@ -686,6 +687,9 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     if ptl is None or lp is None or len(ptl) != len(a) or not len(ptl):
         return Finding("objective", step, "cannot be read (per_token_loss, logps and advantages are needed)", {}, False,
                        readable=False)
+    if not np.any(np.abs(a) > 0) and (ref is None or not np.any(np.abs(ref - lp) > 1e-6)):
+        return Finding("objective", step, "nothing to read at this step: every advantage is 0 and no KL term can "
+                       "show", {}, False, readable=False)
     ratio = np.exp(lp - old)
     tol = atol + rtol * np.abs(ptl)
     forms = {"ratio": -np.minimum(ratio * a, np.clip(ratio, 1 - clip_low, 1 + clip_high) * a), "logp": -lp * a}
@@ -1251,12 +1255,12 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
     for stage in STAGES:
         cands = found[stage]
         if cands:
-            # the reading that says most: exact, a rule that acts here before the spec's own (a mask on the pad id
+            # the reading that says most: exact, least left unsettled, most settled (a step where a KL term or the
+            # ratio can show at all), then the earliest; for the mask, a rule seen acting first (a mask on the pad id
             # shows only at a step that generated one: the steps without one read TRL's mask, and do not contradict
-            # it), least left unsettled, most settled (a step where a KL term or the ratio can show at all), then the
-            # earliest
-            best = min(cands, key=lambda f: (not f.readable, not f.exact, f.same_as_spec, len(f.unsettled),
-                                             -len(f.settles), f.step or 0))
+            # it; an exact mask reading cannot come from an ambiguity, as a scale read from one group can)
+            best = min(cands, key=lambda f: (not f.readable, not f.exact, stage == "mask" and f.same_as_spec,
+                                             len(f.unsettled), -len(f.settles), f.step or 0))
             logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings),
                           None)
             if logged and logged is not best:

@@ -226,8 +226,9 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
           "reward_weights", "rewards.weights")
     # quirks of hand-written loops: scratch-loop fields TRL has no setting for (TRL always does the default)
     for key, (default, quantity, _words) in QUIRKS.items():
-        if key.startswith("KL_") and not spec.BETA or key == "LOGP_OLD":
-            continue  # no KL term, nothing for the estimator or its place to change (LOGP_OLD: below)
+        if key.startswith("KL_") and not spec.BETA or key == "LOGP_OLD" or key == "MASK_TOKEN_DROP" and \
+                spec.MASK_TOKEN_ID < 0:
+            continue  # no KL term (no token id), nothing for the estimator or its place (the drop) to change
         q[quantity] = (getattr(spec, key), default, (key,), f"quirk:{key}", {"set": {key: default}})
     if spec.LOGP_OLD == "current" and (spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.SELECTION):
         # (with one pass over each whole round the ratio is 1 either way: no difference to name)

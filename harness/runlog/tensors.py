@@ -48,7 +48,10 @@ def _parts(value, name: str) -> list[int] | None:
     if name not in PER_TOKEN and name not in PER_ROW or not isinstance(value, (list, tuple)) or len(value) < 2 \
             or not all(hasattr(v, "shape") for v in value):
         return None
-    return [int(v.shape[0]) if len(v.shape) > 1 or name in PER_ROW else 1 for v in value]
+    dims = 2 if name in PER_TOKEN else 1  # micro-batches: (B, T) per token, (B,) per completion; else rows or numbers
+    if any(len(v.shape) != dims for v in value):
+        return None
+    return [int(v.shape[0]) for v in value]
 
 
 def write_row(path: str | Path, step: int, named: dict) -> None:
