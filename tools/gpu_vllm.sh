@@ -4,8 +4,12 @@
 # machine stays warm; each call copies what it carried to /tmp/vparts:
 #   PART=.vparts/vllm.part00 bash tools/gpu_vllm.sh stage      # one call per part (and per deps group folder)
 #   bash tools/gpu_vllm.sh check                               # reassemble, install to /tmp/vsite, import, generate
-# The parts: split -b 56m -d vllm-0.24.0-...whl .vparts/vllm.part ; the dependency groups: .vparts/deps1, deps2
-# (wheels the image lacks; excluded on purpose: torch and its kernels' packages, flashinfer, tilelang, cutlass-dsl).
+# Here, once (git-ignored: echo /.vparts/ >> .git/info/exclude):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d /tmp/w vllm==0.24.0 && mkdir -p .vparts && split -b 56m -d /tmp/w/vllm-*.whl .vparts/vllm.part
+#   the dependencies: the pip download in tools/gpu_vllm_wheels.txt's header, into .vparts/deps1 and .vparts/deps2 (each
+#   under 56 MiB; xgrammar alone is 43 MB). Left out on purpose: torch and its kernels' packages, flashinfer, tilelang,
+#   cutlass-dsl, fastsafetensors (the offline LLM path ran without them, VLLM_USE_FLASHINFER_SAMPLER=0 below).
 # Logs in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
