@@ -190,28 +190,16 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
 
 def _misfit(r, a, group: int, spec, settings: dict) -> float:
     """The largest |A - predicted| / (|A| + 1e-6) of an advantage rule (the spec's fields, `settings` over them) on
-    your rewards, in float64: group or leave-one-out centring; none, group or batch scale; either std; eps outside or
-    inside the square root."""
+    your rewards: predicted by the built-in loop's own advantage function (scratch_grpo.core), in float64."""
+    import torch
+
+    from scratch_grpo.core import group_advantages
+
     f = {"ADV_SCALE": "group", "STD": "bessel", "STD_EPS": 1e-4, "STD_EPS_INSIDE": False, "ADV_BASELINE": "group",
          **({k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_BASELINE")
              if hasattr(spec, k)} if spec else {}), **settings}
-    g, ddof = r.reshape(-1, group), 1 if f["STD"] == "bessel" else 0
-    if f["ADV_BASELINE"] == "loo":
-        n = group - 1
-        m = (g.sum(1, keepdims=True) - g) / n
-        var = ((g * g).sum(1, keepdims=True) - g * g) / n - m * m
-        sd = np.sqrt(np.clip(var * n / max(n - ddof, 1), 0.0, None)).reshape(-1)
-    else:
-        m = np.broadcast_to(g.mean(1, keepdims=True), g.shape)
-        sd = np.repeat(g.std(1, ddof=ddof), group)
-    if f["ADV_SCALE"] == "batch":
-        sd = np.full(len(r), r.std(ddof=ddof))
-    c = r - m.reshape(-1)
-    if f["ADV_SCALE"] == "none":
-        pred = c
-    else:
-        div = np.sqrt(sd * sd + f["STD_EPS"]) if f["STD_EPS_INSIDE"] else sd + f["STD_EPS"]
-        pred = np.where((sd > 0) | (f["ADV_BASELINE"] != "loo"), c / np.where(div == 0, np.inf, div), c)
+    pred = group_advantages(torch.tensor(r, dtype=torch.float64), group, f["ADV_SCALE"], f["STD"], f["STD_EPS"],
+                            f["STD_EPS_INSIDE"], f["ADV_BASELINE"])[0].numpy()
     return float(np.max(np.abs(a - pred) / (np.abs(a) + 1e-6)))
 
 
@@ -1241,9 +1229,11 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
         found["weighting"] = [dataclasses.replace(f, exact=False, settings={}, settles=(), no_switch=True, rule=(
             f"{f.rule}; but the divisor is not the same at every step read ({seen})")) if "LOSS_DIVISOR" in f.settings
             else f for f in found["weighting"]]
-    spread = chosen and len({r for rows in chosen.values() for r, _ in rows}) < len(chosen) and any(
-        len({s for s, rows in chosen.items() if any(x == r for x, _ in rows)}) > 1 for r in
-        {r for rows in chosen.values() for r, _ in rows})  # some round trained over several steps
+    steps_of_round: dict[int, set] = {}
+    for s, rows in (chosen or {}).items():
+        for r, _ in rows:
+            steps_of_round.setdefault(r, set()).add(s)
+    spread = any(len(steps) > 1 for steps in steps_of_round.values())  # some round trained over several steps
     if spread and getattr(spec, "LOGP_OLD", "auto") != "current":  # -logp A: no ratio, the current policy each step
         found["objective"] = [dataclasses.replace(f, rule=f"{f.rule}; its policy term has no ratio, so a round trained "
                                                   "over several steps is trained on the current policy at each (TRL "
