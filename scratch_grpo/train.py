@@ -250,8 +250,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                                                      logp_temperature, masked_eos=masked_eos, dropped=dropped)[0]
                                   for s in range(0, N, mb_size)])
 
-        # (a selection of rows may train on this round after an update: its old log-probs are taken now)
-        need_old = spec.LOGP_OLD == "forward" or mu > 1 or S > 1 or spec.IS_CORRECTION or selection is not None
+        # (a selection of rows may train on this round after an update: its old log-probs are taken now; with
+        # LOGP_OLD = "current" every step takes the current ones instead, so this pass would go unused)
+        need_old = spec.LOGP_OLD == "forward" or spec.LOGP_OLD != "current" and (
+            mu > 1 or S > 1 or spec.IS_CORRECTION or selection is not None)
         logp_old = no_grad_logps(model) if need_old else None
         ref_logps = no_grad_logps(ref_model) if ref_model is not None else None
         if ref_logps is not None and spec.KL_IN_REWARD:  # a quirk: the KL penalty in the reward, not the loss
