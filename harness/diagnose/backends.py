@@ -22,6 +22,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from pathlib import Path
 
 from harness.diagnose import pairs
@@ -279,7 +280,7 @@ class Processes(_Pool):
         was not found: _cancel already kills and joins)."""
         for ex, _gpu in self._all:
             ex.shutdown(wait=True, cancel_futures=True)
-        left = [p for p in list(self._procs.values()) if p.is_alive()]
+        left = [p for p in list(self._procs.values()) if not gone(p)]
         if left:
             self._log(f"backend: {len(left)} worker process(es) still running after shutdown (pid "
                       f"{', '.join(str(p.pid) for p in left)}): killed")
@@ -291,11 +292,30 @@ def _processes_of(executor) -> dict:
     return dict(getattr(executor, "_processes", None) or {})
 
 
-def _kill(procs: list) -> None:
+def _kill(procs: list, wait_s: float = 30) -> None:
+    """SIGKILL each process and wait (up to `wait_s` in all) until it is gone."""
     for proc in procs:
         proc.kill()
+    deadline = time.monotonic() + wait_s
     for proc in procs:
-        proc.join(timeout=10)
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        while not gone(proc) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def gone(proc) -> bool:
+    """The process has ended. `is_alive()` alone can say True for a moment after it ended: when the executor's own
+    thread joins it too, the two waitpid calls race, the loser gets ECHILD and leaves the exit code unset until the
+    winner, waiting for the GIL, sets it (a CI run failed on exactly that). A pid that no longer exists is gone."""
+    if not proc.is_alive():
+        return True
+    try:
+        os.kill(proc.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a pid taken by another user's process since: ours is gone
+        return True
+    return False
 
 
 class RayCluster(_Pool):
