@@ -72,12 +72,13 @@ def check_out_dir(path: str | Path, flag: str = "--out") -> None:
         raise InputError(f"{flag} {path}: {problem}; give a folder you can write to")
 
 
-def check_inputs(spec, scratch: bool = True) -> None:
-    """Everything that can be checked without loading weights: data rows, model paths, TRL fields."""
+def check_inputs(spec, samples: bool = True) -> None:
+    """Everything that can be checked without loading weights: data rows, model paths, TRL fields; with `samples`
+    (a command that runs a side), that the spec's sampler is there."""
     from harness.experiment.data import DataError, load_rows, to_prompt_rows
     from harness.experiment.models import ModelSourceError
 
-    if scratch and spec.sampler.kind == "vllm":  # (TRL's side says the same itself when it starts)
+    if samples and spec.sampler.kind == "vllm":  # either side: TRL on its own builds its own engine
         from harness.rollouts.samplers import vllm_available
 
         if not vllm_available():
@@ -122,7 +123,7 @@ def _load(args):
 def cmd_run(args) -> int:
     spec = _load(args)
     check_out_dir(args.out)
-    check_inputs(spec, scratch=args.side == "scratch")
+    check_inputs(spec)
     if args.side == "trl":
         from trl_runner.translate import translate
 
@@ -378,7 +379,7 @@ def cmd_compare(args) -> int:
 def cmd_record(args) -> int:
     spec = _load(args)
     check_out_dir(args.out)
-    check_inputs(spec, scratch=True)
+    check_inputs(spec)
     from harness.record import RecordError, record
 
     try:
@@ -393,7 +394,7 @@ def cmd_bench(args) -> int:
     """Both loops on one device in one process (scratch, TRL, scratch), against the measured floor."""
     spec = _load(args)
     check_out_dir(args.out)
-    check_inputs(spec, scratch=True)
+    check_inputs(spec)
     from trl_runner.translate import translate
 
     translate(spec)
@@ -423,7 +424,7 @@ def cmd_spec_help(args) -> int:
 
 def cmd_validate(args) -> int:
     spec = _load(args)
-    check_inputs(spec, scratch=False)
+    check_inputs(spec, samples=False)
     from trl_runner.translate import translate
 
     translate(spec)

@@ -359,6 +359,38 @@ def mismatch_stats(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask:
     }
 
 
+def mismatch_spread(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor,
+                    clip_min: float | None, clip_max: float | None) -> dict:
+    """How far a sampler's log-probs sit from the trainer's on the same tokens, as a distribution (the figures verl
+    and NeMo-RL report for train-inference mismatch): per token, delta = logp_trainer - logp_sampler over active
+    tokens (NaN left out): its mean, |delta| at the 50th/90th/99th percentile and max, mean exp|delta|, and the share
+    of token ratios exp(delta) outside [clip_min, clip_max] (what token_mask drops); per sequence (rows with an
+    active token), the summed delta: its standard deviation (population), |sum| at the 50th/90th percentile and
+    max, the ratio's min and max, and the share outside the bounds (what sequence_mask drops). A bound of None is
+    no bound."""
+    m = mask.bool() & ~torch.isnan(logp_sampler)
+    d = (logp_trainer - logp_sampler).double()
+    lo = -math.inf if clip_min is None else math.log(clip_min) if clip_min > 0 else -math.inf
+    hi = math.inf if clip_max is None else math.log(clip_max)
+    tok = d[m]
+    rows = m.any(-1)
+    seq = torch.where(m, d, torch.zeros_like(d)).sum(-1)[rows]
+    if tok.numel() == 0:
+        return {"tokens": 0, "sequences": 0}
+    q = torch.quantile(tok.abs(), torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64, device=tok.device))
+    sq = torch.quantile(seq.abs(), torch.tensor([0.5, 0.9], dtype=torch.float64, device=seq.device))
+    return {
+        "tokens": tok.numel(), "mean": tok.mean().item(),
+        "abs_p50": q[0].item(), "abs_p90": q[1].item(), "abs_p99": q[2].item(), "abs_max": tok.abs().max().item(),
+        "token_mult_prob_error": tok.abs().exp().mean().item(),
+        "token_out": ((tok < lo) | (tok > hi)).double().mean().item(),
+        "sequences": seq.numel(), "seq_std": seq.std(unbiased=False).item(),
+        "seq_abs_p50": sq[0].item(), "seq_abs_p90": sq[1].item(), "seq_abs_max": seq.abs().max().item(),
+        "seq_ratio_min": seq.min().exp().item(), "seq_ratio_max": seq.max().exp().item(),
+        "seq_out": ((seq < lo) | (seq > hi)).double().mean().item(),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # learning-rate schedule (the multiplier for optimizer step `step`, 0-based, as HF's LambdaLR)
 # ---------------------------------------------------------------------------------------------

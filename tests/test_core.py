@@ -203,6 +203,30 @@ def test_mismatch_stats_by_hand():
     assert st["k3_kl"] == pytest.approx((0.5 + math.log(2) - 1) / 2)  # exp(d) - d - 1 = 0.5 + ln2 - 1
 
 
+def test_mismatch_spread_by_hand():
+    nan = float("nan")
+    t = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, -7.0]])
+    s = torch.tensor([[-1.1, -1.5, -0.5], [-0.9, nan, 0.0]])  # NaN: no sampler log-prob; the last token masked
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    st = core.mismatch_spread(t, s, mask, clip_min=0.9, clip_max=1.5)
+    # tokens: d = [0.1, -0.5, 0.0, -0.1]; |d| sorted [0, 0.1, 0.1, 0.5], quantiles by linear interpolation
+    assert st["tokens"] == 4 and st["mean"] == pytest.approx(-0.125, abs=1e-6)
+    assert st["abs_p50"] == pytest.approx(0.1, abs=1e-6)  # position 1.5
+    assert st["abs_p90"] == pytest.approx(0.1 + 0.7 * 0.4, abs=1e-6)  # position 2.7
+    assert st["abs_p99"] == pytest.approx(0.1 + 0.97 * 0.4, abs=1e-6)
+    assert st["abs_max"] == pytest.approx(0.5, abs=1e-6)
+    assert st["token_mult_prob_error"] == pytest.approx((2 * math.exp(0.1) + math.exp(0.5) + 1) / 4, abs=1e-6)
+    assert st["token_out"] == pytest.approx(0.25)  # only exp(-0.5) < 0.9 (exp(-0.1) = 0.905 is inside)
+    # sequences: sums -0.4 and -0.1
+    assert st["sequences"] == 2 and st["seq_std"] == pytest.approx(0.15, abs=1e-6)
+    assert st["seq_abs_p50"] == pytest.approx(0.25, abs=1e-6) and st["seq_abs_p90"] == pytest.approx(0.37, abs=1e-6)
+    assert st["seq_abs_max"] == pytest.approx(0.4, abs=1e-6)
+    assert (st["seq_ratio_min"], st["seq_ratio_max"]) == pytest.approx((math.exp(-0.4), math.exp(-0.1)), abs=1e-6)
+    assert st["seq_out"] == pytest.approx(0.5)
+    # no bounds: nothing outside
+    assert core.mismatch_spread(t, s, mask, None, None)["seq_out"] == 0.0
+
+
 # ---- learning-rate schedule ---------------------------------------------------------------------------------
 def test_lr_schedules_by_hand():
     # linear, 10 steps, no warmup: step k uses (10 - k)/10 -> 1.0, 0.9, ..., 0.1

@@ -136,7 +136,7 @@ def test_vocab_size_below_the_tokenizer_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="model.vocab_size = 10"):
         E.padded_vocabulary(9, ["+"], 10)
     with pytest.raises(InputError, match="model.vocab_size"):
-        check_inputs(small_spec("model.vocab_size=10"), scratch=True)
+        check_inputs(small_spec("model.vocab_size=10"))
 
 
 def test_a_small_model_on_a_cpu_trains_on_one_thread(monkeypatch):

@@ -366,7 +366,7 @@ class _SilentWriter:
 
 
 class _NoSync:
-    """Lockstep with an emulated sampler: the rollouts come from outside, there are no weights to push."""
+    """Lockstep with a separate sampler (emulated or vLLM): the rollouts come from outside, no weights to push."""
 
     def sync_weights(self):
         pass
@@ -426,7 +426,15 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     tokenizer = load_tokenizer(ckpt)
     torch.manual_seed(spec.SEED)
     model = load_model(ckpt, spec.MASTER_WEIGHTS, device)  # as the scratch loop: fp32 masters, or bf16 weights
-    config = translation.config(out_dir / "trl_output", disable_tqdm=True)
+    # lockstep on vLLM: the rollouts (vLLM's completions and log-probs, recorded by the scratch side) come through
+    # rollout_func, so TRL builds no engine of its own; use_vllm goes on after construction (below), which is what
+    # its IS correction reads
+    replay_vllm = spec.sampler.kind == "vllm" and rollout_source is not None
+    config = translation.config(out_dir / "trl_output", disable_tqdm=True, **({"use_vllm": False} if replay_vllm else {}))
+    if spec.sampler.kind == "vllm" and not replay_vllm:
+        from harness.rollouts.samplers import vllm_environment
+
+        vllm_environment()
 
     sampler = None
     if spec.sampler.kind == "emulated" and rollout_source is None:
@@ -453,7 +461,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
             max_prompt_tokens=spec.MAX_PROMPT_TOKENS, lockstep_seed=spec.SEED if lockstep else None,
             tensor_steps=tensor_steps,
         )
-        if spec.sampler.kind == "emulated":
+        if spec.sampler.kind == "emulated" or replay_vllm:
             # TRL's vLLM code paths (its IS correction included), with the emulated sampler where vLLM would be;
             # in lockstep the shared rollouts arrive through rollout_func with the sampler's log-probs
             trainer.use_vllm = True

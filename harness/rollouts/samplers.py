@@ -19,6 +19,7 @@ Runs that use it are labelled `emulated sampler` in manifests and reports.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -92,27 +93,76 @@ def vllm_completions(outputs) -> tuple[list[list[int]], list[list[float]]]:
     return ids, logps
 
 
+_ENGINE: dict = {}  # the one vLLM engine of this process: {"key": ..., "llm": LLM}
+
+
+def vllm_environment() -> None:
+    """vLLM's settings for this process, before any engine starts. Where flashinfer is not installed (the GPU
+    machine carries vLLM without its 447 MB of kernels), vLLM's own top-k/top-p sampler instead of flashinfer's:
+    vLLM 0.24 imports flashinfer for it otherwise, and stops there."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+@contextlib.contextmanager
+def _launcher_variables():
+    """The torch.distributed variables vLLM's external_launcher reads while its engine starts (one process, rank 0,
+    a free port), as TRL's colocate mode sets them, then the environment as it was: a later Accelerator (TRL's side
+    in this process) must not take LOCAL_RANK for a distributed launch, as it never does under TRL itself (TRL sets
+    them after its Accelerator)."""
+    import os
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    wanted = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    before = {k: os.environ.get(k) for k in wanted}
+    for k, v in wanted.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+def request_seeds(n: int) -> list[int]:
+    """One vLLM sampling seed per request, drawn from torch's generator: a lockstep round forks and seeds it
+    (RecordingSource), so a round's draws repeat whatever the engine sampled before in this process."""
+    return [int(x) for x in torch.randint(0, 2**31 - 1, (n,))]
+
+
 class VLLMSampler:
     """vLLM colocated in this process (one GPU), as TRL 1.16's `vllm_mode="colocate"` builds it: the same LLM
     arguments, weights pushed with `load_weights` before each round, the sampled tokens' processed log-probs
-    returned for the IS correction. Not run on the project's GPU machine (vLLM cannot be installed there)."""
+    returned for the IS correction. One engine per process: the runs of a matrix made in one process (scratch runs,
+    re-runs) share it, each pushing its own weights before it samples; each request carries its own seed
+    (`request_seeds`), so an engine's history does not change a run's draws."""
 
     label = "vLLM (colocate)"
 
     def __init__(self, spec, checkpoint):
-        import os
-
-        from vllm import LLM
-
         self.spec = spec
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                           ("MASTER_PORT", "29533")):
-            os.environ.setdefault(key, value)  # external_launcher reads the torch.distributed variables
-        # max_model_len None: vLLM takes it from the checkpoint's config, as TRL's vllm_max_model_length default
-        self.llm = LLM(model=str(checkpoint), gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
-                       max_model_len=None, distributed_executor_backend="external_launcher",
-                       seed=spec.SEED, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                       dtype="bfloat16" if spec.DTYPE == "bfloat16" else "float32")
+        dtype = "bfloat16" if spec.DTYPE == "bfloat16" else "float32"
+        key = (str(checkpoint), dtype, spec.sampler.vllm_gpu_memory_utilization)
+        if _ENGINE.get("key") != key:
+            _ENGINE.clear()  # another checkpoint or share: the old engine goes first (its memory with it)
+            vllm_environment()
+            from vllm import LLM
+
+            with _launcher_variables():
+                # max_model_len None: vLLM takes it from the checkpoint's config, as TRL's vllm_max_model_length
+                _ENGINE.update(key=key, llm=LLM(
+                    model=str(checkpoint), gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
+                    max_model_len=None, distributed_executor_backend="external_launcher", seed=spec.SEED,
+                    max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", dtype=dtype))
+        self.llm = _ENGINE["llm"]
 
     def describe(self) -> str:
         return describe_sampler(self.spec)
@@ -120,16 +170,16 @@ class VLLMSampler:
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, param in policy.named_parameters():
-            model.load_weights([(name, param.detach())])
+        for name, param in policy.named_parameters():  # (a compiled module's names carry a prefix vLLM lacks)
+            model.load_weights([(name.removeprefix("_orig_mod."), param.detach())])
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 
         s = self.spec
-        params = SamplingParams(n=1, temperature=s.TEMPERATURE, top_p=s.TOP_P, top_k=s.TOP_K, max_tokens=s.MAX_TOKENS,
-                                logprobs=0)
+        params = [SamplingParams(n=1, temperature=s.TEMPERATURE, top_p=s.TOP_P, top_k=s.TOP_K, max_tokens=s.MAX_TOKENS,
+                                 logprobs=0, seed=seed) for seed in request_seeds(len(prompt_ids))]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                                     use_tqdm=False)
         return vllm_completions(outputs)

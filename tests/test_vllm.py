@@ -1,0 +1,114 @@
+"""`sampler.kind = "vllm"`: TRL on vLLM's completions and log-probs in lockstep (issue 41).
+
+On CPU (CI): the plumbing around the engine, with the emulated sampler standing where vLLM's engine would be, so
+the test runs without vLLM. The GPU tests run where vLLM and CUDA are (tools/gpu_vllm.sh); elsewhere they skip."""
+
+import pytest
+
+from conftest import small_spec
+from harness.diagnose.pairs import run_pair
+from harness.rollouts.samplers import vllm_available
+
+
+def test_lockstep_on_vllm_replays_its_log_probs_into_trl_without_an_engine_of_trls_own(tmp_path, monkeypatch):
+    """In lockstep the scratch side samples (vLLM, here the emulated sampler in its place) and records the sampler's
+    log-probs; TRL replays them through rollout_func, builds no vLLM engine of its own (none is installed here: it
+    would fail), and applies its IS correction with the recorded log-probs, as the scratch side does: at parity."""
+    import harness.rollouts.samplers as samplers
+    from harness.diagnose.preflight import apply_alignment
+
+    made = []
+
+    def in_place_of_vllm(spec, policy, eos_ids, pad_id, device):
+        assert spec.sampler.kind == "vllm"
+        made.append(spec.sampler.kind)
+        stand_in = apply_alignment(spec, {"set": {"sampler.kind": "emulated", "sampler.noise_scale": 0.02},
+                                          "set_trl": {}})
+        return samplers.EmulatedSampler(stand_in, policy, eos_ids, pad_id, device)
+
+    monkeypatch.setattr(samplers, "make_sampler", in_place_of_vllm)
+    spec = small_spec('sampler.kind="vllm"', "IS_CORRECTION=true", 'IS_MODE="token_truncate"')
+    result = run_pair(spec, tmp_path, "lockstep")
+    assert made, "the scratch side did not sample through the sampler"
+    assert result["first_divergence"] is None, result["first_divergence"]
+    ratio = result["metrics"]["sampling/importance_sampling_ratio/mean"]
+    assert ratio["max_abs"] < 1e-5  # both sides weighted by the same recorded log-probs
+    from harness.runlog.log import read_run
+
+    trl = read_run(tmp_path / "trl")
+    assert trl.attrs["manifest"]["rollouts"] == "external (lockstep)"
+    assert (trl["sampling/importance_sampling_ratio/mean"] != 1.0).any()  # TRL did weight: the mismatch is real
+    config = trl.attrs["manifest"]["trl_config"]
+    assert config["use_vllm"] and config["vllm_mode"] == "colocate"  # what a user's GRPOConfig holds
+
+
+def test_the_engine_start_variables_are_gone_afterwards(monkeypatch):
+    """vLLM's external_launcher reads RANK, LOCAL_RANK, WORLD_SIZE and MASTER_* while its engine starts; a later
+    Accelerator in the same process (TRL's side) would take LOCAL_RANK for a distributed launch: they go after."""
+    import os
+
+    from harness.rollouts.samplers import _launcher_variables
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")  # one the user set stays as it was
+    with _launcher_variables():
+        seen = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    assert seen["RANK"] == seen["LOCAL_RANK"] == "0" and seen["WORLD_SIZE"] == "1" and int(seen["MASTER_PORT"]) > 0
+    assert seen["MASTER_ADDR"] == "10.0.0.7" and os.environ["MASTER_ADDR"] == "10.0.0.7"
+    assert not [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ]
+
+
+def test_trl_on_vllm_without_vllm_installed_is_refused_before_any_model_loads(tmp_path, capsys):
+    from harness.cli import main
+
+    if vllm_available():
+        pytest.skip("vLLM is installed here: this checks the message where it is not")
+    assert main(["run", "trl", "--spec", "harness/specs/default.toml", "--set", 'sampler.kind="vllm"',
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "needs vLLM" in err and "pip install -e '.[vllm]'" in err
+    assert not (tmp_path / "x").exists()
+
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vLLM (pip install -e '.[vllm]' on a GPU)")
+
+
+@pytest.mark.gpu
+@needs_vllm
+def test_vllm_lockstep_pair_with_the_is_correction_on_both_sides_is_at_parity(tmp_path):
+    spec = small_spec("STEPS=6", 'DEVICE="cuda"', 'DTYPE="bfloat16"', 'sampler.kind="vllm"', "model.head_dim=64",
+                      "IS_CORRECTION=true")
+    result = run_pair(spec, tmp_path, "lockstep")
+    assert result["first_divergence"] is None, result["first_divergence"]
+    from harness.runlog.log import read_run
+
+    scratch = read_run(tmp_path / "scratch")
+    assert scratch.attrs["manifest"]["sampler"].startswith("vLLM (colocate)")
+    assert scratch["mismatch/logp_diff/max"].max() > 0  # vLLM's log-probs are its own, not the trainer's
+
+
+@pytest.mark.gpu
+@needs_vllm
+def test_vllm_draws_repeat_for_a_seeded_round_whatever_the_engine_drew_before():
+    import torch
+
+    from harness.experiment.models import checkpoint_dir, load_model
+    from harness.rollouts.samplers import VLLMSampler
+
+    spec = small_spec('DEVICE="cuda"', 'DTYPE="bfloat16"', 'sampler.kind="vllm"', "model.head_dim=64")
+    ckpt = checkpoint_dir(spec)
+    model = load_model(ckpt, "float32", "cuda")
+    sampler = VLLMSampler(spec, ckpt)
+    sampler.sync_weights(model)
+    prompts = [[5, 6, 7]] * 8
+
+    def draw():
+        with torch.random.fork_rng(devices=[0]):
+            torch.manual_seed(1)
+            return sampler.generate(prompts)
+
+    first = draw()
+    sampler.generate(prompts)  # the engine samples in between
+    assert VLLMSampler(spec, ckpt).llm is sampler.llm  # one engine per process
+    assert draw() == first
