@@ -23,6 +23,10 @@ Its choices are flags, so you can see what the harness says when they differ fro
                              generated token ID drops out of the loss
     --loss-divisor D         the loss is the masked per-token losses' sum divided by D (a fixed constant)
     --max-grad-norm M        its own gradient clipping threshold (0: none)
+    --is-correction MODE|off TRL's importance-sampling weight on the per-token loss, from the sampler's log-probs that
+                             the rollouts carry (vLLM's, or the emulated sampler's): token_truncate, token_mask,
+                             sequence_truncate or sequence_mask, bounded by the spec's IS_CLIP_MIN / IS_CLIP_MAX; off:
+                             none (a loop that trains on a separate sampler's completions as if they were its own)
   Which completions a step trains on (the loop then says so with parity.trained, and reads lockstep rounds at its own
   pace; TRL trains each step on one whole round):
     --skip-flat-groups       leave out the groups whose rewards are all equal (DAPO's dynamic sampling)
@@ -61,6 +65,7 @@ p.add_argument("--pg-loss", choices=("ratio", "logp"), default="ratio")
 p.add_argument("--mask-token-id", type=int)
 p.add_argument("--loss-divisor", type=float)
 p.add_argument("--max-grad-norm", type=float)
+p.add_argument("--is-correction", choices=("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
 p.add_argument("--skip-flat-groups", action="store_true")
 p.add_argument("--round-parts", type=int, default=1)
 p.add_argument("--rounds-per-step", type=int, default=1)
@@ -85,12 +90,17 @@ LINEAR_LR = (args.lr_schedule or cfg.get("LR_SCHEDULE", "constant")) == "linear"
 BETA = args.beta if args.beta is not None else cfg.get("BETA", 0.0)
 KL_RATIO = (args.kl_ratio or ("yes" if cfg.get("KL_IS_CORRECTION", True) else "no")) == "yes"
 MU = cfg.get("NUM_ITERATIONS", 1)  # optimizer steps (passes) over each generation round: GRPO's mu
+IS_MODE = args.is_correction or (cfg.get("IS_MODE", "sequence_mask") if cfg.get("IS_CORRECTION") else "off")
+IS_MODE = None if IS_MODE == "off" else IS_MODE
+IS_LO, IS_HI = cfg.get("IS_CLIP_MIN", 0.0) or None, cfg.get("IS_CLIP_MAX", 3.0)
 if cfg.get("STEPS_PER_GENERATION", 1) != 1:
     raise SystemExit("this example trains every optimizer step on a whole generation round: STEPS_PER_GENERATION "
                      "must be 1")
 SELECT = args.skip_flat_groups or args.round_parts > 1 or args.rounds_per_step > 1
 if SELECT and MU > 1:
     raise SystemExit("--skip-flat-groups, --round-parts and --rounds-per-step train one pass: NUM_ITERATIONS must be 1")
+if IS_MODE and SELECT:
+    raise SystemExit("--is-correction with a selection of completions: this example weights whole rounds only")
 if args.pg_loss == "logp" and MU > 1:
     raise SystemExit("--pg-loss logp is the policy gradient with one pass per round: NUM_ITERATIONS must be 1")
 
@@ -125,6 +135,27 @@ def pad(seqs, value, left):
         cols = slice(width - len(s), width) if left else slice(0, len(s))
         ids[i, cols], mask[i, cols] = torch.tensor(s, dtype=torch.long), 1
     return ids, mask
+
+
+def pad_values(rows):
+    """Per-token floats of different lengths, right-padded with 0 into one tensor."""
+    out = torch.zeros(len(rows), max(map(len, rows)))
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def is_weight(trainer_logp, sampler_logp, mask):
+    """TRL's importance-sampling weight: pi_trainer / pi_sampler of the sampled tokens, per token or per sequence
+    (the product), truncated to [IS_LO, IS_HI] or zero outside it (mask)."""
+    d = (trainer_logp - sampler_logp) * mask
+    if IS_MODE.startswith("sequence"):
+        d = d.sum(1, keepdim=True)
+    w = torch.exp(d)
+    if IS_MODE.endswith("truncate"):
+        return w.clamp(min=IS_LO, max=IS_HI)
+    lo = IS_LO if IS_LO is not None else -math.inf
+    return w.masked_fill((w < lo) | (w > IS_HI), 0.0)
 
 
 def sample_round(r):
@@ -214,6 +245,11 @@ for step in range(STEPS):
         batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
         model.train()
         rewards, adv = scored(batch)
+        if IS_MODE:  # the sampler's own log-probs of its tokens (a separate sampler's, which the rollouts carry)
+            if not batch.get("logprobs"):
+                raise SystemExit("--is-correction: the rollouts carry no sampler log-probs (the spec's sampler.kind "
+                                 "is \"policy\"): set sampler.kind = \"vllm\" or \"emulated\", or --is-correction off")
+            sampler_logp = pad_values(batch["logprobs"])
     elif SELECT:  # the rows the flags choose, from the rounds they come from
         picks = picks_of(step)
         if args.skip_flat_groups:  # (where every group is flat it trains on them all: a step needs completions)
@@ -268,6 +304,8 @@ for step in range(STEPS):
         else:
             per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         mask = loss_mask[mb].float()
+        if IS_MODE:  # TRL: the policy term times the weight, the KL term after it
+            per_token = per_token * is_weight(old, sampler_logp[mb].to(DEVICE), completion_mask[mb].float())
         seen_logp.append(logp.detach())
         if ref is not None:
             with torch.no_grad():

@@ -184,6 +184,42 @@ def test_objective_clip_bound_read_from_clipped_tokens():
     assert f.settings.get("CLIP_HIGH") == pytest.approx(hi, rel=1e-3), f
 
 
+def test_objective_reads_the_importance_sampling_weight_from_the_samplers_log_probs():
+    """A separate sampler's log-probs (the rollouts'): the per-token loss with TRL's IS weight of one mode, without
+    it, and with weights too close to 1 to tell. Ratio 1 (one pass): TRL's policy term is -A, times the weight."""
+    import math
+
+    spec = types.SimpleNamespace(**{**vars(SPEC), "IS_CORRECTION": True, "IS_MODE": "sequence_mask",
+                                    "IS_CLIP_MIN": 0.0, "IS_CLIP_MAX": 3.0})
+    logp = [[-1.0, -2.0], [-0.5, -1.5]]
+    sampler = [[-2.5, -1.9], [-0.5, -1.0]]  # d = trainer - sampler: [1.5, -0.1], [0.0, -0.5]; sums 1.4, -0.5
+    adv = [1.0, -2.0]
+    plain = [[-1.0, -1.0], [2.0, 2.0]]
+    by_hand = {  # the weights computed by hand: exp(1.5) and exp(1.4) pass the bound 3 (truncated to it, or 0)
+        "token_truncate": [[3.0, math.exp(-0.1)], [1.0, math.exp(-0.5)]],
+        "token_mask": [[0.0, math.exp(-0.1)], [1.0, math.exp(-0.5)]],
+        "sequence_truncate": [[3.0] * 2, [math.exp(-0.5)] * 2],
+        "sequence_mask": [[0.0] * 2, [math.exp(-0.5)] * 2],
+    }
+    for mode, w in by_hand.items():
+        ptl = [[p * x for p, x in zip(pr, wr)] for pr, wr in zip(plain, w)]
+        f = identify.objective(ptl, adv, logp, [[1, 1], [1, 1]], [2, 2], spec=spec, sampler_logps=sampler)
+        assert f.exact and f.settings == ({} if mode == spec.IS_MODE else {"IS_MODE": mode}), f
+        assert "IS_MODE" in f.settles and ("importance-sampling ratio (" + mode in f.rule) == (mode != spec.IS_MODE)
+    # no weight out of bounds: truncating and masking give the same weights, and the mode is left to the search
+    inside = [[-1.2, -1.9], [-0.5, -1.0]]
+    w = [[math.exp(0.2), math.exp(-0.1)], [1.0, math.exp(-0.5)]]
+    ptl = [[p * x for p, x in zip(pr, wr)] for pr, wr in zip(plain, w)]
+    f = identify.objective(ptl, adv, logp, [[1, 1], [1, 1]], [2, 2], spec=spec, sampler_logps=inside)
+    assert "IS_MODE" not in f.settles and any("token_truncate, token_mask" in u for u in f.unsettled), f
+    f = identify.objective(plain, adv, logp, [[1, 1], [1, 1]], [2, 2], spec=spec, sampler_logps=sampler)
+    assert f.settings == {"IS_CORRECTION": False} and "does not weight" in f.rule, f
+    near = [[x - 1e-7 for x in row] for row in logp]  # the sampler all but the trainer: weights within 1e-7 of 1
+    f = identify.objective(plain, adv, logp, [[1, 1], [1, 1]], [2, 2], spec=spec, sampler_logps=near)
+    assert not f.settings and any("cannot show" in u for u in f.unsettled), f
+    assert "IS_CORRECTION" not in f.settles
+
+
 def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, steps: int = 4, linear: bool = False,
                decay_all: bool = False, scale: float = 1.0):
     """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes (`scale`: its

@@ -63,6 +63,25 @@ def test_two_differences_are_explained_in_trl_terms_and_the_table_gives_parity(t
     assert again["cells"][0]["verdict"] == "parity", again["cells"][0]["first_divergence"]
 
 
+def test_a_loop_on_a_separate_samplers_completions_is_at_parity_with_the_correction_and_confirmed_without(tmp_path):
+    """The lesson's third check on your loop: TRL corrects for the sampler (IS_CORRECTION, its default with vLLM); the
+    rollouts carry the sampler's log-probs (here the emulated sampler's: vLLM's arrive the same way). The example
+    loop applying TRL's correction from them is at parity; without it, the correction is read from its per-token loss
+    and confirmed as the cause; with another mode, the mode."""
+    sampler = ['sampler.kind="emulated"', "sampler.noise_scale=0.02", "IS_CORRECTION=true", "STEPS=12"]
+    doc = run_matrix(loop_spec(EXAMPLE, *sampler), tmp_path / "on", "none", **QUIET)
+    assert doc["cells"][0]["verdict"] == "parity", doc["cells"][0]["first_divergence"]
+    rounds = (tmp_path / "on" / "yours-vs-trl" / "loop_rollouts.jsonl").read_text().splitlines()
+    assert json.loads(rounds[0])["logprobs"]  # the sampler's log-probs reached the loop
+    for flag, fix in (("off", {"vllm_importance_sampling_correction": False}),
+                      ("token_truncate", {"vllm_importance_sampling_mode": "token_truncate"})):
+        doc = run_matrix(loop_spec(f"{EXAMPLE} --is-correction {flag}", *sampler), tmp_path / flag, "none", **QUIET)
+        cell = doc["cells"][0]
+        assert cell["verdict"] == "diverged"
+        found = cell["attribution_detail"][0]
+        assert found["status"] == "confirmed" and found["fix"]["trl"] == fix, found
+
+
 def test_free_mode_runs_your_loop_once_per_seed(tmp_path):
     doc = run_matrix(loop_spec(EXAMPLE, "STEPS=4", "FREE_SEEDS=2"), tmp_path, "none", mode="free", **QUIET)
     cell = doc["cells"][0]

@@ -89,6 +89,7 @@ def options(spec, logged: set[str]) -> list[Option]:
     """Every candidate change of `spec` (the search's current spec), in the order they are tried: the loss's shape
     and the advantages (step 1), then what acts through the first update (step 2), then through the second
     (step 3). `logged`: the metrics your loop logs (a logged learning rate is read, not searched)."""
+    from scratch_grpo.core import IS_MODES
     from trl_runner.translate import LOSS_TYPES
 
     out = [Option("LOSS_NORM", v, 1) for v in LOSS_TYPES if v != spec.LOSS_NORM]
@@ -99,6 +100,9 @@ def options(spec, logged: set[str]) -> list[Option]:
         # first bind at step 2 (a second pass, or the round's next slice)
         out += [Option("CLIP_HIGH", v, 2) for v in (0.2, 0.28) if v != spec.CLIP_HIGH]
         out += [Option("CLIP_LOW", v, 2) for v in (0.1, 0.2) if v != spec.CLIP_LOW]
+    if spec.sampler.kind != "policy":  # a separate sampler's completions: corrected for, or not, and how
+        out += [Option("IS_CORRECTION", not spec.IS_CORRECTION, 1)]
+        out += [Option("IS_MODE", m, 1) for m in IS_MODES if spec.IS_CORRECTION and m != spec.IS_MODE]
     if spec.BETA > 0:
         out += [Option("KL_ESTIMATOR", v, 1) for v in ("k1", "k2") if v != spec.KL_ESTIMATOR]  # k3's gradient is 0 at 1
         out += [Option("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION, 2), Option("KL_IN_REWARD", True, 2)]
@@ -199,6 +203,13 @@ _WORDS = {
     "MASK_TOKEN_ID": lambda v: f"leaves every completion token with id {v} out of the loss, wherever it stands",
     "MASK_TOKEN_DROP": lambda v: ("takes that token out of the sequence the model sees, too (packing without it)" if v
                                   else "keeps that token in the sequence the model sees"),
+    "IS_CORRECTION": lambda v: ("weights its loss by the sampler's importance-sampling ratio" if v else
+                                "does not weight its loss by the sampler's importance-sampling ratio (TRL does, by "
+                                "default, when it generates with vLLM)"),
+    "IS_MODE": lambda v: "takes the importance-sampling ratio " + {
+        "token_truncate": "per token, truncated to its bounds", "token_mask": "per token, 0 outside its bounds",
+        "sequence_truncate": "per sequence, truncated to its bounds",
+        "sequence_mask": "per sequence, 0 outside its bounds"}[v],
     "ADV_BASELINE": lambda v: ("centres each reward on the mean of its group's other completions (leave-one-out; "
                                "TRL: the group's own mean)" if v == "loo" else "centres each reward on its group's mean"),
     "COMPLETION_MASK": lambda v: {"no_eos": "leaves each completion's eos token out of the loss (TRL counts it)",
@@ -363,7 +374,10 @@ def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[d
 # at a small learning rate): each alternative is tried on the confirmed set, and one that reproduces your loop as well
 # is said as what the run could not tell
 LOOK_ALIKE = {"BETA": (0.0, 0.001, 0.01, 0.04), "KL_IS_CORRECTION": (True, False),
-              "ADAM_BETA2": (0.999, 0.99, 0.98, 0.95), "WEIGHT_DECAY": (0.0, 0.01, 0.1)}
+              "ADAM_BETA2": (0.999, 0.99, 0.98, 0.95), "WEIGHT_DECAY": (0.0, 0.01, 0.1),
+              # (truncating and masking agree while no weight leaves the bounds; weights near 1 hide the correction)
+              "IS_CORRECTION": (True, False),
+              "IS_MODE": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")}
 
 
 def untold_words(search, changes: dict) -> list[str]:
@@ -374,6 +388,8 @@ def untold_words(search, changes: dict) -> list[str]:
     for key, values in LOOK_ALIKE.items():
         if key == "KL_IS_CORRECTION" and not base.BETA or key in search.settled:
             continue  # no KL term: nothing for its ratio factor to act on (a field your tensors settled: not a guess)
+        if key == "IS_CORRECTION" and base.sampler.kind == "policy" or key == "IS_MODE" and not base.IS_CORRECTION:
+            continue  # no separate sampler: no weight to apply; no correction: no mode
         have = getattr(base, key)
         alike = [v for v in values if v != have and search.whole({**changes, key: v}).agree >= search.steps]
         if alike:

@@ -658,11 +658,14 @@ def _kl(logp, ref, estimator: str):
 
 
 def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, ref_logps=None, spec=None, step=None,
-              rtol: float = 1e-4, atol: float = 1e-6) -> Finding:
+              rtol: float = 1e-4, atol: float = 1e-6, sampler_logps=None) -> Finding:
     """Your per-token loss against TRL's -min(ratio A, clip(ratio) A) + beta kl: the residual after the policy term
     is fitted as beta times each KL estimator (k1, k2, k3; with and without TRL's factor of the policy ratio) by least
     squares; a policy term -logp A (REINFORCE's value) is recognised; where the ratio leaves 1, the clip bounds are
-    read from the tokens whose term is clipped (the ratio used: -term / A), and bracketed where none is."""
+    read from the tokens whose term is clipped (the ratio used: -term / A), and bracketed where none is.
+    `sampler_logps` (the rollouts' log-probs of a separate sampler, vLLM's): the policy term with and without TRL's
+    importance-sampling weight of each mode (the spec's bounds), so a loop that corrects, or does not, is read, and
+    where every weight sits within tolerance of 1 it is said that this step cannot tell."""
     clip_low = getattr(spec, "CLIP_LOW", 0.2) if spec else 0.2
     clip_high = getattr(spec, "CLIP_HIGH", 0.2) if spec else 0.2
     keep = [np.asarray(m[:n], dtype=np.float64) > 0.5 for m, n in zip(mask_rows, lengths)]
@@ -681,14 +684,19 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     ratio = np.exp(lp - old)
     tol = atol + rtol * np.abs(ptl)
     forms = {"ratio": -np.minimum(ratio * a, np.clip(ratio, 1 - clip_low, 1 + clip_high) * a), "logp": -lp * a}
-    unsettled, out, spread = [], None, 0.0
-    for form, pg in forms.items():
+    smp = cat(sampler_logps)
+    weights = {} if smp is None or len(smp) != len(ptl) else _is_weights(
+        old, smp, keep, getattr(spec, "IS_CLIP_MIN", 0.0) or None, getattr(spec, "IS_CLIP_MAX", 3.0))
+    forms.update({f"is:{m}": forms["ratio"] * w for m, w in weights.items()})  # TRL: the weight before the KL term
+
+    def fit(pg):
+        """None, or how `pg` (+ a KL term) gives your per-token loss: (the KL fit or None, its weights' spread, what
+        stays unsettled)."""
         resid = ptl - pg
         if np.all(np.abs(resid) <= tol):
-            out = (form, pg, None)
-            break
+            return None, 0.0, []
         if ref is None:
-            continue
+            return None
         fits = []  # every estimator (and ratio factor) that fits: for a small log-ratio k2 and k3 look alike
         for est in ("k3", "k1", "k2"):
             for factor in (True, False):
@@ -698,16 +706,35 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                 beta = float(np.dot(k, resid) / np.dot(k, k))
                 if beta > 0 and np.all(np.abs(resid - beta * k) <= tol + 1e-6 * beta):
                     fits.append((est, beta, factor))
-        if fits:
-            out = (form, pg, fits[0])
-            spread = max(b for _, b, _ in fits) - min(b for _, b, _ in fits)  # (estimators alike: weights alike)
-            ests = list(dict.fromkeys(e for e, _, _ in fits))
-            if len(ests) > 1:
-                betas = [b for _, b, _ in fits]
-                unsettled.append(f"the KL estimators {', '.join(ests)} fit alike at this step (a small log-ratio), "
-                                 f"with weights {min(betas):.3g} to {max(betas):.3g}")
-            break
-    settings, words = {}, []
+        if not fits:
+            return None
+        ests, betas = list(dict.fromkeys(e for e, _, _ in fits)), [b for _, b, _ in fits]
+        return fits[0], max(betas) - min(betas), ([] if len(ests) < 2 else [  # (estimators alike: weights alike)
+            f"the KL estimators {', '.join(ests)} fit alike at this step (a small log-ratio), with weights "
+            f"{min(betas):.3g} to {max(betas):.3g}"])
+
+    fitted = {}
+    for form, pg in forms.items():
+        got = fit(pg)
+        if got is not None:
+            fitted[form] = (pg, *got)
+            if not weights:  # (with a sampler's log-probs every form is tried: with and without its weight)
+                break
+    unsettled, out, spread, is_settings, is_words, is_settles = [], None, 0.0, {}, [], ()
+    plain = next((f for f in ("ratio", "logp") if f in fitted), None)
+    is_fit = [m for m in weights if f"is:{m}" in fitted]
+    if weights and (plain or is_fit):
+        is_settings, is_words, is_settles, is_unsettled = _is_reading(plain, is_fit, weights, spec, tol)
+        unsettled += is_unsettled
+        form = plain if plain else f"is:{is_settings.get('IS_MODE', getattr(spec, 'IS_MODE', is_fit[0]))}"
+        form = form if form in fitted else plain or f"is:{is_fit[0]}"
+    else:
+        form = plain
+    if form is not None:
+        pg, kl, spread, kl_unsettled = fitted[form]
+        out = ("ratio" if form.startswith("is:") else form, pg, kl)
+        unsettled += kl_unsettled
+    settings, words = dict(is_settings), list(is_words)
     if out is None:
         clip = _clip_bounds(ptl, ratio, a, ref is None, clip_low, clip_high)
         if clip:
@@ -755,8 +782,11 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
         unsettled += _unreached(ratio, a, clip_low, clip_high)
     if spec:
         spec_has = {"BETA": spec.BETA, "KL_ESTIMATOR": getattr(spec, "KL_ESTIMATOR", "k3"),
-                    "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True)}
+                    "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True),
+                    "IS_CORRECTION": getattr(spec, "IS_CORRECTION", False), "IS_MODE": getattr(spec, "IS_MODE", None)}
         settings = {k: v for k, v in settings.items() if not _same(spec_has.get(k), v)}
+        if settings.get("IS_MODE") and "IS_CORRECTION" not in settings and not spec_has["IS_CORRECTION"]:
+            settings["IS_CORRECTION"] = True
     rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
     # a KL term can show in value (the reference apart from the policy), and one was found: a per-token loss saved
     # without it (a KL aggregated apart, as verl's) says nothing of the weight
@@ -764,8 +794,45 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
         u.startswith("the KL estimators") for u in unsettled)
     settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if seen else ()
     return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
-                   unsettled=tuple(unsettled), settles=settles,
+                   unsettled=tuple(unsettled), settles=settles + is_settles,
                    evidence={"form": form, **({"kl": kl} if kl else {})})
+
+
+def _is_weights(trainer, sampler, keep, lo: float | None, hi: float) -> dict:
+    """TRL's importance-sampling weight of every kept token, each mode: exp(trainer - sampler) per token, or per
+    sequence the exp of the row's sum (a sequence's tokens share it); truncated to [lo, hi], or 0 outside it."""
+    from scratch_grpo.core import IS_MODES
+
+    d = trainer - sampler
+    row = np.concatenate([np.full(int(k.sum()), i) for i, k in enumerate(keep)])
+    seq = np.bincount(row, weights=d, minlength=len(keep))[row]
+    lo_ = -math.inf if lo is None else lo
+    out = {}
+    for mode in IS_MODES:
+        w = np.exp(seq if mode.startswith("sequence") else d)
+        out[mode] = np.clip(w, lo, hi) if mode.endswith("truncate") else np.where((w < lo_) | (w > hi), 0.0, w)
+    return out
+
+
+def _is_reading(plain, is_fit: list, weights: dict, spec, tol) -> tuple:
+    """What the forms that fit say of the importance-sampling correction: (settings, words, settles, unsettled)."""
+    spec_on = getattr(spec, "IS_CORRECTION", False)
+    spec_mode = getattr(spec, "IS_MODE", "sequence_mask")
+    far = max(float(np.max(np.abs(w - 1.0))) for w in weights.values())
+    if plain and is_fit:  # the weights sit within tolerance of 1: with or without them, the same values
+        return {}, [], (), [f"the importance-sampling weights are within {far:.2g} of 1 at this step, inside the "
+                            f"tolerance ({float(np.max(tol)):.2g}): whether your loop weights its loss by them cannot "
+                            "show here"]
+    if plain:
+        words = ["does not weight its per-token loss by the sampler's importance-sampling ratio, though it trains on "
+                 f"a separate sampler's completions (the weights reach {far:.2g} from 1 here)"] if spec_on else []
+        return {"IS_CORRECTION": False}, words, ("IS_CORRECTION",), []
+    mode = spec_mode if spec_mode in is_fit else is_fit[0]
+    differs = not spec_on or mode != spec_mode
+    words = [f"weights its per-token loss by TRL's importance-sampling ratio ({mode})"] if differs else []
+    unsettled = [f"the modes {', '.join(is_fit)} give the same weights at this step"] if len(is_fit) > 1 else []
+    return {"IS_CORRECTION": True, "IS_MODE": mode}, words, ("IS_CORRECTION",) + (
+        ("IS_MODE",) if len(is_fit) == 1 else ()), unsettled
 
 
 def _clip_bounds(ptl, ratio, a, no_kl: bool, clip_low: float, clip_high: float) -> Finding | None:
@@ -1162,6 +1229,8 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
             if any(r >= len(records) for r, _ in picks):
                 continue
             comps = [records[r]["completion_ids"][i] for r, i in picks]
+            sampled = [records[r]["logprobs"][i] for r, i in picks] if all(
+                records[r].get("logprobs") for r, _ in picks) else None
             whole = len(picks) % G == 0 and all(picks[k][1] % G == 0 and all(
                 picks[k + j] == (picks[k][0], picks[k][1] + j) for j in range(G)) for k in range(0, len(picks), G))
         else:
@@ -1169,6 +1238,7 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
             if r >= len(records):
                 continue
             comps, whole = records[r]["completion_ids"], True
+            sampled = records[r].get("logprobs")  # a separate sampler's log-probs of its tokens (vLLM's), or None
         lengths = [len(c) for c in comps]
         if "rewards" in t and scores:  # the spec's functions' scores of the same completions
             rows_of = chosen[step] if chosen and step in chosen else [((step - 1) // per_round, i)
@@ -1189,7 +1259,7 @@ def identify(mine: dict[int, dict], records: list[dict], spec, eos_ids: list[int
         obj = None
         if all(k in t for k in ("per_token_loss", "advantages", "logps", "mask")) and _rows_of(t["logps"], len(comps)):
             obj = objective(t["per_token_loss"], t["advantages"], t["logps"], t["mask"], lengths, t.get("old_logps"),
-                            t.get("ref_logps"), spec, step=step, **tol)
+                            t.get("ref_logps"), spec, step=step, sampler_logps=sampled, **tol)
             found["objective"].append(obj)
         if "per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps)):
             kl = (obj.evidence.get("kl") if obj is not None and obj.exact else None)
