@@ -59,6 +59,64 @@ def test_the_engine_start_variables_are_gone_afterwards(monkeypatch):
     assert not [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ]
 
 
+def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight(monkeypatch):
+    """VLLMSampler's own logic against a recording stand-in for the `vllm` module (the real engine runs on the GPU
+    only): the engine is built once per (checkpoint, dtype, memory share) in a process and rebuilt for another; every
+    request carries a seed drawn from torch's generator, so a seeded round asks for the same seeds whatever came
+    before; each parameter goes to load_weights under its module name, then the prefix cache is reset."""
+    import sys
+    import types
+
+    import torch
+
+    from harness.rollouts import samplers
+
+    built, loaded, resets, params = [], [], [], []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            assert kwargs["distributed_executor_backend"] == "external_launcher"
+            assert kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's: log-probs after temperature
+            built.append(kwargs)
+            model = types.SimpleNamespace(load_weights=lambda pairs: loaded.extend(n for n, _ in pairs))
+            runner = types.SimpleNamespace(model=model)
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(model_runner=runner)))
+
+        def reset_prefix_cache(self):
+            resets.append(1)
+
+        def generate(self, prompts, sampling_params, use_tqdm):
+            params.append([p.seed for p in sampling_params])
+            assert len(sampling_params) == len(prompts)
+            sample = types.SimpleNamespace(token_ids=[3], logprobs=[{3: types.SimpleNamespace(logprob=-0.5)}])
+            return [types.SimpleNamespace(outputs=[sample]) for _ in prompts]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(samplers, "_ENGINE", {})
+    spec = small_spec('sampler.kind="vllm"')
+    a, b = samplers.VLLMSampler(spec, "/ckpt"), samplers.VLLMSampler(spec, "/ckpt")
+    assert a.llm is b.llm and len(built) == 1
+    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5"), "/ckpt")
+    assert len(built) == 2 and built[1]["gpu_memory_utilization"] == 0.5
+
+    def draw():
+        with torch.random.fork_rng():
+            torch.manual_seed(7)
+            return a.generate([[1, 2], [1, 2], [4]])
+
+    assert draw() == ([[3]] * 3, [[-0.5]] * 3)
+    a.generate([[1]])
+    draw()
+    assert params[0] == params[2] and len(set(params[0])) == 3  # the same seeds again, one per request
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    a.sync_weights(torch.compile(net))  # a compiled module's names carry `_orig_mod.`
+    assert loaded == ["0.weight", "0.bias"] and resets == [1]
+
+
 def test_trl_on_vllm_without_vllm_installed_is_refused_before_any_model_loads(tmp_path, capsys):
     from harness.cli import main
 
