@@ -99,8 +99,10 @@ if cfg.get("STEPS_PER_GENERATION", 1) != 1:
 SELECT = args.skip_flat_groups or args.round_parts > 1 or args.rounds_per_step > 1
 if SELECT and MU > 1:
     raise SystemExit("--skip-flat-groups, --round-parts and --rounds-per-step train one pass: NUM_ITERATIONS must be 1")
+IS_FROM = "--is-correction" if args.is_correction else "the spec's IS_CORRECTION"
 if IS_MODE and SELECT:
-    raise SystemExit("--is-correction with a selection of completions: this example weights whole rounds only")
+    raise SystemExit(f"an importance-sampling correction ({IS_FROM}) with a selection of completions: this example "
+                     "weights whole rounds only; pass --is-correction off")
 if args.pg_loss == "logp" and MU > 1:
     raise SystemExit("--pg-loss logp is the policy gradient with one pass per round: NUM_ITERATIONS must be 1")
 
@@ -237,18 +239,23 @@ def picks_of(step):
     return [(step, i) for i in range(PROMPTS * G)]
 
 
+sampler_logp = None  # a separate sampler's log-probs of the round's tokens (lockstep rollouts carry them)
 for step in range(STEPS):
     r, it = divmod(step, MU)  # round r, pass `it` over it (NUM_ITERATIONS passes)
     # ---- 1-2. completions, rewards and advantages: a round (the harness's in lockstep, or our own) ------------
     if not SELECT and it == 0:  # later passes train on the same round
         model.eval()
-        batch = parity.rollout(r) or sample_round(r)  # parity: lockstep rollouts when the harness gives them
+        given = parity.rollout(r)  # parity: lockstep rollouts when the harness gives them
+        batch = given or sample_round(r)
         model.train()
         rewards, adv = scored(batch)
-        if IS_MODE:  # the sampler's own log-probs of its tokens (a separate sampler's, which the rollouts carry)
+        # our own samples come from the policy itself: no weight
+        sampler_logp = None
+        if IS_MODE and given:
             if not batch.get("logprobs"):
-                raise SystemExit("--is-correction: the rollouts carry no sampler log-probs (the spec's sampler.kind "
-                                 "is \"policy\"): set sampler.kind = \"vllm\" or \"emulated\", or --is-correction off")
+                raise SystemExit(f"an importance-sampling correction ({IS_FROM}), but the rollouts carry no sampler "
+                                 "log-probs (the spec's sampler.kind is \"policy\"): set sampler.kind = \"vllm\" or "
+                                 "\"emulated\", or pass --is-correction off")
             sampler_logp = pad_values(batch["logprobs"])
     elif SELECT:  # the rows the flags choose, from the rounds they come from
         picks = picks_of(step)
@@ -304,7 +311,7 @@ for step in range(STEPS):
         else:
             per_token = -torch.min(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         mask = loss_mask[mb].float()
-        if IS_MODE:  # TRL: the policy term times the weight, the KL term after it
+        if sampler_logp is not None:  # TRL: the policy term times the weight, the KL term after it
             per_token = per_token * is_weight(old, sampler_logp[mb].to(DEVICE), completion_mask[mb].float())
         seen_logp.append(logp.detach())
         if ref is not None:

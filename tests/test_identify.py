@@ -220,6 +220,22 @@ def test_objective_reads_the_importance_sampling_weight_from_the_samplers_log_pr
     assert "IS_CORRECTION" not in f.settles
 
 
+def test_the_sequence_weight_sums_the_whole_completion_not_only_the_tokens_in_the_loss():
+    """TRL sums a sequence's log-ratio over its completion mask: a loop that leaves a token (its eos, say) out of the
+    loss still weights by the whole completion's ratio, and that is what is read (not a clip bound)."""
+    import math
+
+    spec = types.SimpleNamespace(**{**vars(SPEC), "IS_CORRECTION": True, "IS_MODE": "sequence_mask",
+                                    "IS_CLIP_MIN": 0.0, "IS_CLIP_MAX": 3.0})
+    logp = [[-1.0, -2.0], [-0.5, -1.5]]
+    sampler = [[-1.5, -2.8], [-0.5, -1.0]]  # d = [0.5, 0.8] (sum 1.3: exp 3.67, over the bound 3), [0.0, -0.5]
+    adv = [1.0, -2.0]
+    mask = [[1, 0], [1, 1]]  # the second token of the first completion out of the loss
+    ptl = [[-1.0 * 3.0, 0.0], [2.0 * math.exp(-0.5)] * 2]  # sequence_truncate: 3.0 (truncated), exp(-0.5)
+    f = identify.objective(ptl, adv, logp, mask, [2, 2], spec=spec, sampler_logps=sampler)
+    assert f.exact and f.settings == {"IS_MODE": "sequence_truncate"} and "IS_MODE" in f.settles, f
+
+
 def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, steps: int = 4, linear: bool = False,
                decay_all: bool = False, scale: float = 1.0):
     """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes (`scale`: its

@@ -75,6 +75,13 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
 
     class LLM:
         def __init__(self, **kwargs):
+            import random
+
+            import numpy as np
+
+            torch.manual_seed(kwargs["seed"])  # as vLLM's worker seeds every generator while the engine starts
+            random.seed(kwargs["seed"])
+            np.random.seed(kwargs["seed"])
             assert kwargs["distributed_executor_backend"] == "external_launcher"
             assert kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's: log-probs after temperature
             built.append(kwargs)
@@ -97,20 +104,28 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setattr(samplers, "_ENGINE", {})
     spec = small_spec('sampler.kind="vllm"')
-    a, b = samplers.VLLMSampler(spec, "/ckpt"), samplers.VLLMSampler(spec, "/ckpt")
-    assert a.llm is b.llm and len(built) == 1
-    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5"), "/ckpt")
-    assert len(built) == 2 and built[1]["gpu_memory_utilization"] == 0.5
 
-    def draw():
+    def draw():  # a lockstep round: seeded, the sampler (and, the first time, the engine) made inside it
         with torch.random.fork_rng():
             torch.manual_seed(7)
-            return a.generate([[1, 2], [1, 2], [4]])
+            sampler = samplers.VLLMSampler(spec, "/ckpt")
+            return sampler, sampler.generate([[1, 2], [1, 2], [4]])
 
-    assert draw() == ([[3]] * 3, [[-0.5]] * 3)
+    import random
+
+    random.seed(123)
+    expected = random.random()
+    random.seed(123)
+    a, first = draw()  # builds the engine, which seeds every generator
+    assert random.random() == expected  # Python's generator as it was
+    assert first == ([[3]] * 3, [[-0.5]] * 3)
+    b = samplers.VLLMSampler(spec, "/ckpt")
+    assert a.llm is b.llm and len(built) == 1
     a.generate([[1]])
     draw()
     assert params[0] == params[2] and len(set(params[0])) == 3  # the same seeds again, one per request
+    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5"), "/ckpt")
+    assert len(built) == 2 and built[1]["gpu_memory_utilization"] == 0.5
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     a.sync_weights(torch.compile(net))  # a compiled module's names carry `_orig_mod.`
@@ -157,16 +172,17 @@ def test_vllm_draws_repeat_for_a_seeded_round_whatever_the_engine_drew_before():
     spec = small_spec('DEVICE="cuda"', 'DTYPE="bfloat16"', 'sampler.kind="vllm"', "model.head_dim=64")
     ckpt = checkpoint_dir(spec)
     model = load_model(ckpt, "float32", "cuda")
-    sampler = VLLMSampler(spec, ckpt)
-    sampler.sync_weights(model)
     prompts = [[5, 6, 7]] * 8
 
-    def draw():
+    def draw():  # as a lockstep round: seeded, the sampler made inside it (the engine too, where none is yet)
         with torch.random.fork_rng(devices=[0]):
             torch.manual_seed(1)
-            return sampler.generate(prompts)
+            sampler = VLLMSampler(spec, ckpt)
+            sampler.sync_weights(model)
+            return sampler, sampler.generate(prompts)
 
-    first = draw()
+    sampler, first = draw()
     sampler.generate(prompts)  # the engine samples in between
-    assert VLLMSampler(spec, ckpt).llm is sampler.llm  # one engine per process
-    assert draw() == first
+    again, second = draw()
+    assert again.llm is sampler.llm  # one engine per process
+    assert second == first

@@ -684,9 +684,10 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     ratio = np.exp(lp - old)
     tol = atol + rtol * np.abs(ptl)
     forms = {"ratio": -np.minimum(ratio * a, np.clip(ratio, 1 - clip_low, 1 + clip_high) * a), "logp": -lp * a}
-    smp = cat(sampler_logps)
-    weights = {} if smp is None or len(smp) != len(ptl) else _is_weights(
-        old, smp, keep, getattr(spec, "IS_CLIP_MIN", 0.0) or None, getattr(spec, "IS_CLIP_MAX", 3.0))
+    whole = sampler_logps is not None and len(sampler_logps) == len(lengths) and all(
+        len(r) >= n for r, n in zip(sampler_logps, lengths))  # (rows as long as their completions, else not read)
+    weights = _is_weights(old_logps if old_logps is not None else logps, sampler_logps, lengths, keep,
+                          getattr(spec, "IS_CLIP_MIN", 0.0) or None, getattr(spec, "IS_CLIP_MAX", 3.0)) if whole else {}
     forms.update({f"is:{m}": forms["ratio"] * w for m, w in weights.items()})  # TRL: the weight before the KL term
 
     def fit(pg):
@@ -724,7 +725,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     plain = next((f for f in ("ratio", "logp") if f in fitted), None)
     is_fit = [m for m in weights if f"is:{m}" in fitted]
     if weights and (plain or is_fit):
-        is_settings, is_words, is_settles, is_unsettled = _is_reading(plain, is_fit, weights, spec, tol)
+        is_settings, is_words, is_settles, is_unsettled = _is_reading(plain, is_fit, weights, spec, tol, a)
         unsettled += is_unsettled
         form = plain if plain else f"is:{is_settings.get('IS_MODE', getattr(spec, 'IS_MODE', is_fit[0]))}"
         form = form if form in fitted else plain or f"is:{is_fit[0]}"
@@ -736,9 +737,16 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
         unsettled += kl_unsettled
     settings, words = dict(is_settings), list(is_words)
     if out is None:
-        clip = _clip_bounds(ptl, ratio, a, ref is None, clip_low, clip_high)
+        # (a weight on the policy term is no clip: -term / A is the weight then; and at a ratio of exactly 1 no clip
+        # bound can act)
+        clip = None if weights or not np.any(np.abs(ratio - 1.0) > 1e-6) else _clip_bounds(
+            ptl, ratio, a, ref is None, clip_low, clip_high)
         if clip:
             return dataclasses.replace(clip, step=step)
+        if weights:
+            return Finding("objective", step, "your per-token loss is not TRL's objective with or without its "
+                           "importance-sampling weight (any of its four modes at the spec's bounds IS_CLIP_MIN, "
+                           "IS_CLIP_MAX; other bounds, or another correction, are not read)", {}, False, no_switch=True)
         if old_logps is None:
             return Finding("objective", step, "cannot be read: your per-token loss is not -A (+ a KL term) with the "
                            "ratio taken as 1; where the ratio is not 1 (a second pass, old log-probs from another "
@@ -785,8 +793,6 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                     "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True),
                     "IS_CORRECTION": getattr(spec, "IS_CORRECTION", False), "IS_MODE": getattr(spec, "IS_MODE", None)}
         settings = {k: v for k, v in settings.items() if not _same(spec_has.get(k), v)}
-        if settings.get("IS_MODE") and "IS_CORRECTION" not in settings and not spec_has["IS_CORRECTION"]:
-            settings["IS_CORRECTION"] = True
     rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
     # a KL term can show in value (the reference apart from the policy), and one was found: a per-token loss saved
     # without it (a KL aggregated apart, as verl's) says nothing of the weight
@@ -798,14 +804,16 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                    evidence={"form": form, **({"kl": kl} if kl else {})})
 
 
-def _is_weights(trainer, sampler, keep, lo: float | None, hi: float) -> dict:
+def _is_weights(trainer_rows, sampler_rows, lengths, keep, lo: float | None, hi: float) -> dict:
     """TRL's importance-sampling weight of every kept token, each mode: exp(trainer - sampler) per token, or per
-    sequence the exp of the row's sum (a sequence's tokens share it); truncated to [lo, hi], or 0 outside it."""
+    sequence the exp of the sum over the completion's tokens (TRL sums over its completion mask, not the loss's;
+    a NaN difference counts 0), shared by the sequence's tokens; truncated to [lo, hi], or 0 outside it."""
     from scratch_grpo.core import IS_MODES
 
-    d = trainer - sampler
-    row = np.concatenate([np.full(int(k.sum()), i) for i, k in enumerate(keep)])
-    seq = np.bincount(row, weights=d, minlength=len(keep))[row]
+    rows = [np.nan_to_num(np.asarray(t[:n], dtype=np.float64) - np.asarray(s[:n], dtype=np.float64), nan=0.0)
+            for t, s, n in zip(trainer_rows, sampler_rows, lengths)]
+    d = np.concatenate([r[k] for r, k in zip(rows, keep)])
+    seq = np.concatenate([np.full(int(k.sum()), r.sum()) for r, k in zip(rows, keep)])
     lo_ = -math.inf if lo is None else lo
     out = {}
     for mode in IS_MODES:
@@ -814,11 +822,14 @@ def _is_weights(trainer, sampler, keep, lo: float | None, hi: float) -> dict:
     return out
 
 
-def _is_reading(plain, is_fit: list, weights: dict, spec, tol) -> tuple:
+def _is_reading(plain, is_fit: list, weights: dict, spec, tol, a) -> tuple:
     """What the forms that fit say of the importance-sampling correction: (settings, words, settles, unsettled)."""
     spec_on = getattr(spec, "IS_CORRECTION", False)
     spec_mode = getattr(spec, "IS_MODE", "sequence_mask")
-    far = max(float(np.max(np.abs(w - 1.0))) for w in weights.values())
+    live = np.abs(a) > 0  # (a token with A = 0 shows no weight)
+    shown = weights[spec_mode if spec_mode in weights and (not is_fit or spec_mode in is_fit) else
+                    (is_fit or list(weights))[0]]
+    far = float(np.max(np.abs(shown[live] - 1.0))) if np.any(live) else 0.0
     if plain and is_fit:  # the weights sit within tolerance of 1: with or without them, the same values
         return {}, [], (), [f"the importance-sampling weights are within {far:.2g} of 1 at this step, inside the "
                             f"tolerance ({float(np.max(tol)):.2g}): whether your loop weights its loss by them cannot "

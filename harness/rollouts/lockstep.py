@@ -60,7 +60,8 @@ class RecordingSource:
             return completions, None
 
     def release(self) -> None:
-        """Drop the sampling models (the recording is kept): the other side needs the memory."""
+        """Drop the sampling models (the recording is kept): the other side needs the memory. (A vLLM engine stays:
+        the process's runs share one, harness/rollouts/samplers.py.)"""
         self.sampler = self.decoder = None
 
     def __call__(self, round_idx: int, prompt_ids: list[list[int]], policy, part=(0, 1)):

@@ -98,8 +98,9 @@ _ENGINE: dict = {}  # the one vLLM engine of this process: {"key": ..., "llm": L
 
 def vllm_environment() -> None:
     """vLLM's settings for this process, before any engine starts. Where flashinfer is not installed (the GPU
-    machine carries vLLM without its 447 MB of kernels), vLLM's own top-k/top-p sampler instead of flashinfer's:
-    vLLM 0.24 imports flashinfer for it otherwise, and stops there."""
+    machine carries vLLM without its 447 MB of kernels), vLLM's own top-k/top-p sampler instead of flashinfer's: an
+    engine started on that machine stopped at `import flashinfer` (raw log-probs; with processed log-probs, as here
+    and in TRL, vLLM 0.24 may not reach that import: the setting is then without effect)."""
     import importlib.util
     import os
 
@@ -132,6 +133,25 @@ def _launcher_variables():
                 os.environ.pop(k, None)
 
 
+@contextlib.contextmanager
+def _random_state_kept():
+    """vLLM's worker seeds every generator (torch's, each GPU's, numpy's, Python's) with the engine's seed while the
+    engine starts: around it, the caller's generators go on as if it had not started (a lockstep round builds the
+    engine inside its own seeded draw)."""
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
 def request_seeds(n: int) -> list[int]:
     """One vLLM sampling seed per request, drawn from torch's generator: a lockstep round forks and seeds it
     (RecordingSource), so a round's draws repeat whatever the engine sampled before in this process."""
@@ -152,11 +172,13 @@ class VLLMSampler:
         dtype = "bfloat16" if spec.DTYPE == "bfloat16" else "float32"
         key = (str(checkpoint), dtype, spec.sampler.vllm_gpu_memory_utilization)
         if _ENGINE.get("key") != key:
-            _ENGINE.clear()  # another checkpoint or share: the old engine goes first (its memory with it)
+            # another checkpoint or share: a new engine (the old one's memory comes back only once nothing holds it,
+            # and vLLM returns little in-process: one spec per process is the supported use)
+            _ENGINE.clear()
             vllm_environment()
             from vllm import LLM
 
-            with _launcher_variables():
+            with _launcher_variables(), _random_state_kept():
                 # max_model_len None: vLLM takes it from the checkpoint's config, as TRL's vllm_max_model_length
                 _ENGINE.update(key=key, llm=LLM(
                     model=str(checkpoint), gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
