@@ -1,6 +1,7 @@
-"""The emulated sampler: a stand-in for vLLM where vLLM cannot be installed.
+"""The separate samplers: vLLM colocated in this process (`VLLMSampler`, as TRL's colocate mode), and the emulated
+sampler, a stand-in for vLLM where vLLM cannot be installed.
 
-It is a second copy of the policy that differs from the trainer in a controlled, stated way:
+The emulated sampler is a second copy of the policy that differs from the trainer in a controlled, stated way:
 - `noise`: every floating tensor gets seeded Gaussian noise of std `noise_scale` x that tensor's
   std, redrawn at every weight sync (the noise is seeded by (SEED, sync count));
 - `bfloat16`: the weights rounded to bf16 (computation in fp32 again, on transformers' path), the
