@@ -70,6 +70,27 @@ def test_nemo_rls_grpo_with_its_leave_one_out_baseline_and_warmup(tmp_path):
     assert "could not tell: with adam_beta2 = 0.999" in notes and "weight_decay = 0.01" in notes, notes
 
 
+def test_nemo_rls_own_importance_sampling_correction_on_a_separate_samplers_log_probs(tmp_path):
+    """NeMo-RL with its use_importance_sampling_correction on (its switch for an inference engine: the clipped policy
+    term times exp(prev - generation) per token, no truncation, the KL unweighted), fed the sampler's log-probs the
+    rollouts carry, against TRL correcting with its default sequence_mask: the mode is read from the per-token loss
+    as TRL's token_truncate, and what no weight reached (TRL's bound 3, where NeMo-RL has none) is said, not
+    claimed."""
+    cmd = f"{sys.executable} {ROOT / 'examples' / 'public' / 'nemorl_grpo.py'} --is-correction"
+    doc = run_matrix(load_spec(DEFAULT_SPEC, [f"loop.command={json.dumps(cmd)}", "STEPS=12", "loop.tensor_steps=6",
+                                              'sampler.kind="emulated"', "sampler.noise_scale=0.02",
+                                              "IS_CORRECTION=true"]), tmp_path, "none", **QUIET)
+    found = doc["cells"][0]["attribution_detail"][0]
+    assert found["status"] == "confirmed", found["evidence"]
+    trl = found["fix"]["trl"]
+    assert trl["vllm_importance_sampling_mode"] == "token_truncate" and trl["loss_type"] == "dapo", found["fix"]
+    assert found["fix"]["scratch"]["ADV_BASELINE"] == "loo", found["fix"]
+    notes = " ".join(found["notes"])
+    assert "no token weight left TRL's bounds [0, 3]" in notes, notes
+    assert 'could not tell: with vllm_importance_sampling_mode = "token_mask"' in notes, notes
+    assert trl.get("beta") == 0.01 or "could not tell: with beta = 0.001 (or 0.01)" in notes, notes
+
+
 def test_raschkas_book_script_one_group_per_step_on_the_current_policy(tmp_path):
     """Raschka's reasoning-from-scratch GRPO script: one prompt group per step (a round over four steps), -(A *
     sum_t logp).mean() on the current policy at each step (no ratio), torch's AdamW defaults at lr 1e-5, the

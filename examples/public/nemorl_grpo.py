@@ -25,6 +25,10 @@ the contract's.
 
     --lr-spec    use the spec's LR as the peak learning rate (the warmup kept) instead of 5e-6
     --no-loo     grpo.use_leave_one_out_baseline=false (NeMo-RL's own switch; its default is true)
+    --is-correction  loss_fn.use_importance_sampling_correction=true (NeMo-RL's switch, default false; on with an
+                 inference engine): the clipped policy term times exp(prev_logprobs - generation_logprobs) per token,
+                 no truncation (truncated_importance_sampling_ratio unset), the KL term unweighted; the generation
+                 log-probs are the sampler's that the rollouts carry (vLLM's, or the harness's stand-in's)
 """
 
 from __future__ import annotations
@@ -92,12 +96,15 @@ def clipped_pg(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torc
     return torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - CLIP_LOW, 1.0 + CLIP_HIGH))
 
 
-def micro_batch_loss(logp, old, ref, adv, mask, step_tokens):
+def micro_batch_loss(logp, old, ref, adv, mask, step_tokens, is_weight=None):
     """(loss, the KL term's token-level value, the per-token loss): policy term + KL_WEIGHT x k3, both reduced at
-    the token level over the step. The KL is built before the ratio, as NeMo-RL orders it (same rounding)."""
+    the token level over the step. The KL is built before the ratio, as NeMo-RL orders it (same rounding).
+    `is_weight`: the actor importance weights, on the policy term only."""
     kl_tok = KL_WEIGHT * k3_per_token(logp, ref)
     kl = token_level(kl_tok, mask, step_tokens)
     pg_tok = clipped_pg(logp, old, adv)
+    if is_weight is not None:
+        pg_tok = is_weight * pg_tok
     return token_level(pg_tok, mask, step_tokens) + kl, kl, (pg_tok + kl_tok).detach()
 
 
@@ -105,6 +112,8 @@ def micro_batch_loss(logp, old, ref, adv, mask, step_tokens):
 ap = argparse.ArgumentParser()
 ap.add_argument("--lr-spec", action="store_true", help="the spec's LR as the peak learning rate (warmup kept)")
 ap.add_argument("--no-loo", action="store_true", help="grpo.use_leave_one_out_baseline=false (a NeMo-RL switch)")
+ap.add_argument("--is-correction", action="store_true",
+                help="loss_fn.use_importance_sampling_correction=true, with the rollouts' sampler log-probs")
 ap.add_argument("--model", default="Qwen/Qwen2.5-1.5B")
 args = ap.parse_args()
 
@@ -189,6 +198,15 @@ for step in range(1, STEPS + 1):
         old_logps = in_chunks(model, ids)
         ref_logps = in_chunks(ref_model, ids)
     adv = grpo_advantages(right_pad(rollout["prompt_ids"], tok.pad_token_id), rewards, LEAVE_ONE_OUT).to(DEVICE)
+    is_weight = None
+    if args.is_correction:  # exp(prev - generation) per token, NaN and inf to 0, detached; no truncation
+        if not rollout.get("logprobs"):
+            raise SystemExit("--is-correction needs the sampler's log-probs in the rollouts (sampler.kind = \"vllm\" "
+                             "or \"emulated\")")
+        gen = torch.zeros_like(old_logps)  # the next-token layout: completion token j of row i at pl - 1 + j
+        for i, (pl, lps) in enumerate(zip(prompt_lens, rollout["logprobs"])):
+            gen[i, pl - 1:pl - 1 + len(lps)] = torch.tensor(lps, dtype=gen.dtype)
+        is_weight = torch.nan_to_num(torch.exp(old_logps - gen), nan=0.0, posinf=0.0, neginf=0.0)
 
     model.train()
     opt.zero_grad()
@@ -197,7 +215,8 @@ for step in range(1, STEPS + 1):
     for s in range(0, n, MICRO_BATCH):
         mb = slice(s, s + MICRO_BATCH)
         logp = next_token_logps(model, ids[mb])
-        loss, kl, ptl = micro_batch_loss(logp, old_logps[mb], ref_logps[mb], adv[mb, None], mask[mb], step_tokens)
+        loss, kl, ptl = micro_batch_loss(logp, old_logps[mb], ref_logps[mb], adv[mb, None], mask[mb], step_tokens,
+                                         None if is_weight is None else is_weight[mb])
         loss.backward()
         losses.append(loss.item())
         kl_sum += kl.item() / KL_WEIGHT

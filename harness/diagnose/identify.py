@@ -841,7 +841,12 @@ def _is_reading(plain, is_fit: list, weights: dict, spec, tol, a) -> tuple:
     mode = spec_mode if spec_mode in is_fit else is_fit[0]
     differs = not spec_on or mode != spec_mode
     words = [f"weights its per-token loss by TRL's importance-sampling ratio ({mode})"] if differs else []
-    unsettled = [f"the modes {', '.join(is_fit)} give the same weights at this step"] if len(is_fit) > 1 else []
+    levels = {m.split("_")[0] for m in is_fit}
+    lo, hi = getattr(spec, "IS_CLIP_MIN", 0.0) or 0.0, getattr(spec, "IS_CLIP_MAX", 3.0)
+    unsettled = [] if len(is_fit) < 2 else [  # truncating and masking agree until a weight leaves the bounds
+        f"no {levels.pop()} weight left TRL's bounds [{lo:g}, {hi:g}] at this step: what your loop does past them "
+        "(truncates, masks, or neither) cannot show"] if len(levels) == 1 else [
+        f"the modes {', '.join(is_fit)} give the same weights at this step"]
     return {"IS_CORRECTION": True, "IS_MODE": mode}, words, ("IS_CORRECTION",) + (
         ("IS_MODE",) if len(is_fit) == 1 else ()), unsettled
 
