@@ -727,8 +727,7 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     if weights and (plain or is_fit):
         is_settings, is_words, is_settles, is_unsettled = _is_reading(plain, is_fit, weights, spec, tol, a)
         unsettled += is_unsettled
-        form = plain if plain else f"is:{is_settings.get('IS_MODE', getattr(spec, 'IS_MODE', is_fit[0]))}"
-        form = form if form in fitted else plain or f"is:{is_fit[0]}"
+        form = plain or f"is:{is_settings['IS_MODE']}"  # (the mode read is one that fits)
     else:
         form = plain
     if form is not None:
@@ -805,20 +804,22 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
 
 
 def _is_weights(trainer_rows, sampler_rows, lengths, keep, lo: float | None, hi: float) -> dict:
-    """TRL's importance-sampling weight of every kept token, each mode: exp(trainer - sampler) per token, or per
-    sequence the exp of the sum over the completion's tokens (TRL sums over its completion mask, not the loss's;
-    a NaN difference counts 0), shared by the sequence's tokens; truncated to [lo, hi], or 0 outside it."""
-    from scratch_grpo.core import IS_MODES
+    """TRL's importance-sampling weight of every kept token, each mode, as the built-in loop computes it
+    (core.is_weights, in float64): a sequence's ratio sums over the completion's tokens (TRL's completion mask, not
+    the loss's), shared by its tokens."""
+    import torch
 
-    rows = [np.nan_to_num(np.asarray(t[:n], dtype=np.float64) - np.asarray(s[:n], dtype=np.float64), nan=0.0)
-            for t, s, n in zip(trainer_rows, sampler_rows, lengths)]
-    d = np.concatenate([r[k] for r, k in zip(rows, keep)])
-    seq = np.concatenate([np.full(int(k.sum()), r.sum()) for r, k in zip(rows, keep)])
-    lo_ = -math.inf if lo is None else lo
+    from scratch_grpo.core import IS_MODES, is_weights
+
+    width = max(lengths)
+    pad = lambda rows: torch.tensor([list(r[:n]) + [0.0] * (width - n) for r, n in zip(rows, lengths)],  # noqa: E731
+                                    dtype=torch.float64)
+    completion = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths], dtype=torch.float64)
+    kept = torch.tensor(np.array([np.pad(k, (0, width - len(k))) for k in keep], dtype=bool))
     out = {}
     for mode in IS_MODES:
-        w = np.exp(seq if mode.startswith("sequence") else d)
-        out[mode] = np.clip(w, lo, hi) if mode.endswith("truncate") else np.where((w < lo_) | (w > hi), 0.0, w)
+        w, _raw = is_weights(pad(trainer_rows), pad(sampler_rows), completion, mode, lo, hi)
+        out[mode] = w.expand(-1, width)[kept].numpy()
     return out
 
 
@@ -827,8 +828,7 @@ def _is_reading(plain, is_fit: list, weights: dict, spec, tol, a) -> tuple:
     spec_on = getattr(spec, "IS_CORRECTION", False)
     spec_mode = getattr(spec, "IS_MODE", "sequence_mask")
     live = np.abs(a) > 0  # (a token with A = 0 shows no weight)
-    shown = weights[spec_mode if spec_mode in weights and (not is_fit or spec_mode in is_fit) else
-                    (is_fit or list(weights))[0]]
+    shown = weights[spec_mode if not is_fit or spec_mode in is_fit else is_fit[0]]
     far = float(np.max(np.abs(shown[live] - 1.0))) if np.any(live) else 0.0
     if plain and is_fit:  # the weights sit within tolerance of 1: with or without them, the same values
         return {}, [], (), [f"the importance-sampling weights are within {far:.2g} of 1 at this step, inside the "
