@@ -1,0 +1,33 @@
+"""The diagnosis says today what it said when the golden verdicts were recorded (issue 46: a change to its shape
+must not change its answers). Each case runs again and its verdict.json, summary and your_loop_in_trl.toml, less
+timings, folders and versions, must be identical to tests/golden/verdicts/<case>.json. To record them again after a
+change that is meant to change an answer: `python tests/golden_verdicts.py record CASE` (and say why in the commit).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from golden_verdicts import CASES, differences, golden_path, run_case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_verdict_is_the_golden_one(name):
+    want = json.loads(golden_path(name).read_text(encoding="utf-8"))
+    got = run_case(name)
+    diff = differences(want, got)
+    assert not diff, f"{name}: the verdict changed:\n  " + "\n  ".join(diff)
+
+
+def test_a_changed_verdict_is_caught():
+    """The comparison itself: a changed number, a missing key, a changed line of the summary each count."""
+    want = {"verdict": {"cells": [{"share": 0.5, "notes": ["a"]}]}, "summary": "one\ntwo", "your_loop_in_trl": None}
+    assert differences(want, json.loads(json.dumps(want))) == []
+    assert differences(want, {**want, "verdict": {"cells": [{"share": 0.5000001, "notes": ["a"]}]}})
+    assert differences(want, {**want, "verdict": {"cells": [{"share": 0.5}]}})
+    assert differences(want, {**want, "summary": "one\nthree"}) == [
+        "/summary line 2: golden 'two', now 'three'"]
+    assert differences(want, {**want, "your_loop_in_trl": "[trl]\n"})
