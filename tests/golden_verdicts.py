@@ -14,6 +14,7 @@ tests/test_golden_verdicts.py runs `check` on every case.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -107,6 +108,13 @@ def run_case(name: str) -> dict:
 
     case = CASES[name]
     out = RUN_DIR / name
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(RUN_DIR / ".lock", "w") as lock:  # one run at a time in the shared folder (checks in two checkouts)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _run_in(case, out, format_verdict, run_matrix, load_spec)
+
+
+def _run_in(case: dict, out: Path, format_verdict, run_matrix, load_spec) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     try:
         doc = run_matrix(load_spec(case["spec"], list(case["set"])), out, case["matrix"], log=lambda *_: None)
