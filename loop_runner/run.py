@@ -50,12 +50,13 @@ def _tail(path: Path, lines: int = 1) -> str:
 
 def read_loop_metrics(path: Path, names: dict[str, str]) -> list[dict]:
     """The lines your loop wrote, checked and mapped to the harness's names; LoopError at the first bad line."""
-    if not path.exists() or not path.read_text().strip():
+    text = path.read_text() if path.exists() else ""
+    if not text.strip():
         raise LoopError(f"your loop wrote no metrics to PARITY_METRICS ({path}): append one JSON line per optimizer "
                         "step, at least {\"step\": 1, \"loss\": 0.12} (harness.loop.log_step does it)")
     theirs_to_ours = {theirs: ours for ours, theirs in names.items()}
     rows, last = [], 0
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name}:{n}"
@@ -199,30 +200,30 @@ def _check_trained(path: Path, rollouts, steps: list[int] = ()) -> None:
                                 "index within that round), both from 0")
 
 
-def final_weights_distance(yours: Path, other: Path, seed: int) -> tuple[int, float] | None:
-    """(step, ||w_yours - w_other|| / ||w_other||) at your last step, from the weights your loop saved and the other
-    side's parameter sketch of that step; None when your loop saved none or the other side recorded none."""
+def final_weights_sketch(yours: Path, seed: int):
+    """The parameter sketch's coordinates of the weights your loop saved at its last step ((1 x width array, meta)),
+    or None when it saved none."""
     from harness.experiment.models import load_model
-    from harness.runlog.log import read_metrics
     from harness.runlog.params import ParamSketch, read_sketch
 
     weights = Path(yours) / WEIGHTS_DIR
-    other_sketch = read_sketch(other)
-    if not (weights / "config.json").exists() or other_sketch is None:
-        return None
-    rows, _problems = read_metrics(Path(yours) / "metrics.jsonl")
-    step = rows[-1]["step"] if rows else 0
-    if not 1 <= step <= len(other_sketch[0]):
+    if not (weights / "config.json").exists():
         return None
     model = load_model(weights, "float32", "cpu")
     folder = Path(yours) / "final_weights_sketch"  # not the run's own sketch: it holds one row, of the last step
     folder.mkdir(exist_ok=True)
     sketch = ParamSketch(model, folder, seed=seed)
     sketch.record(model)
-    mine = read_sketch(folder)
-    if mine is None or mine[1]["width"] != other_sketch[1]["width"]:
-        return None
+    return read_sketch(folder)
+
+
+def final_weights_distance(mine, other_rows, other_meta: dict | None, step: int) -> tuple[int, float] | None:
+    """(step, ||w_yours - w_other|| / ||w_other||) at your last step `step`, from `mine` (final_weights_sketch) and
+    the other side's parameter sketch (`other_rows`, steps x width, and its `other_meta`); None when either is
+    missing or they do not cover that step alike."""
     import numpy as np
 
-    a, b = mine[0][-1].astype(np.float64), other_sketch[0][step - 1].astype(np.float64)
+    if mine is None or other_rows is None or not 1 <= step <= len(other_rows) or mine[1]["width"] != other_meta["width"]:
+        return None
+    a, b = mine[0][-1].astype(np.float64), np.asarray(other_rows[step - 1], dtype=np.float64)
     return step, float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

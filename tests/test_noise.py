@@ -131,16 +131,16 @@ def test_equal_lengths_and_is_ratio_one():
     assert not is_ratio_exactly_one(pd.DataFrame({"loss": [0.0]}))
 
 
-def test_why_no_effect_reasons(tmp_path):
-    rollouts = tmp_path / "rollouts.jsonl"
+def test_why_no_effect_reasons():
+    from harness.diagnose.cell import CellData
+
     record = {"round": 0, "prompt_ids": [[5, 6], [5, 6]], "completion_ids": [[1] * 16, [2] * 16], "logprobs": None}
-    rollouts.write_text("\n".join(json.dumps(record) for _ in range(3))
-                        + '\n{"completion_ids": [[1, 2')  # a killed run's cut-short last line is no round
-    assert "every completion is 16 tokens long" in why_no_effect("loss_type", {"metrics": {}}, tmp_path)
-    rollouts.write_text(json.dumps({**record, "completion_ids": [[1] * 16, [2] * 9]}) + "\n")
-    assert why_no_effect("loss_type", {"metrics": {}}, tmp_path) is None  # static, lengths vary: cannot tell
+    cell = CellData(spec=None, records=(record,) * 3)
+    assert "every completion is 16 tokens long" in why_no_effect("loss_type", {"metrics": {}}, cell)
+    cell = CellData(spec=None, records=({**record, "completion_ids": [[1] * 16, [2] * 9]},))
+    assert why_no_effect("loss_type", {"metrics": {}}, cell) is None  # static, lengths vary: cannot tell
     calibrated = {"tolerance_mode": "calibrated", "k_noise": 10.0, "metrics": {"param_rel_l2": {"noise_last": 2e-6}}}
-    why = why_no_effect("loss_type", calibrated, tmp_path)
+    why = why_no_effect("loss_type", calibrated, cell)
     assert "2e-05" in why and "noise" in why
 
 

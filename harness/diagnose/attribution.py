@@ -56,7 +56,8 @@ def evidence(check: str, result: dict) -> str | None:
     return None
 
 
-def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None) -> list[dict]:
+def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None,
+              data=None) -> list[dict]:
     """Name the causes of a divergence and confirm them by re-runs with differences aligned.
 
     One difference: a re-run with it aligned confirms it when the divergence disappears. Several: align all of
@@ -67,9 +68,9 @@ def attribute(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log
     `no measured effect`. With two or more causes, each gets its share of the gap at the last step, from a
     re-run with only that cause left different. `store`: the matrix's shared scratch runs (pairs.ScratchStore).
     `backend`: where the re-runs run (backends.py); one with room for several runs gets each round of candidates
-    at once."""
+    at once. `data`: the cell's CellData (your loop's explanation reads it instead of the cell folder)."""
     if "yours" in getattr(cell, "sides", ()):
-        return _attribute_your_loop(cell, result, cell_dir, mode, log)
+        return _attribute_your_loop(cell, result, cell_dir, mode, log, data)
     _tr, diffs, _facts = preflight(cell.spec)
     checks = []
     for d in diffs:
@@ -192,6 +193,7 @@ def _settle(key: str, fut: concurrent.futures.Future, result: dict | None = None
             error: BaseException | None = None) -> None:
     """The pair `key` claimed with `fut` is made (`result`; None when it failed) or was stopped (`error`): keep the
     result, and tell whoever waits."""
+    result = getattr(result, "comparison", result)  # a cell's own pair (CellData): its comparison serves re-runs
     with _LOCK:
         if result is not None:
             _RERUNS.setdefault(key, result)
@@ -396,7 +398,7 @@ def _last_gaps(result: dict) -> dict[str, float]:
     return out
 
 
-def _attribute_your_loop(cell, result: dict, cell_dir: Path, mode: str, log) -> list[dict]:
+def _attribute_your_loop(cell, result: dict, cell_dir: Path, mode: str, log, data=None) -> list[dict]:
     """Your loop against TRL: the preflight cannot see inside your loop, so search TRL's settings for it instead."""
     if result["first_divergence"] is None:
         return []
@@ -415,4 +417,4 @@ def _attribute_your_loop(cell, result: dict, cell_dir: Path, mode: str, log) -> 
 
     log("    explaining your loop (the built-in loop, set up as TRL, re-run on the same rollouts with candidate "
         "settings)")
-    return explain(cell.spec, cell_dir, result, log)
+    return explain(cell.spec, cell_dir, result, log, data=data)

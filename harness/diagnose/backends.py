@@ -48,12 +48,13 @@ def _check_folder(out_dir: Path) -> None:
                            "must be on a filesystem every worker mounts (docs/scaling.md)")
 
 
-def _pair_job(spec, out_dir: str, mode: str, sides: tuple, store_root: str | None):
-    """What a worker runs for a pair: `pairs.run_pair` into a folder the driver made."""
+def _pair_job(spec, out_dir: str, mode: str, sides: tuple, store_root: str | None, keep: bool = False):
+    """What a worker runs for a pair: `pairs.run_pair` into a folder the driver made (`keep`: its CellData, which
+    travels back to the driver whole)."""
     out_dir = Path(out_dir)
     _check_folder(out_dir)
     store = pairs.ScratchStore(Path(store_root)) if store_root else None
-    return pairs.run_pair(spec, out_dir, mode, False, sides=sides, store=store)
+    return pairs.run_pair(spec, out_dir, mode, False, sides=sides, store=store, keep=keep)
 
 
 def _scratch_job(spec, out_dir: str, store_root: str) -> None:
@@ -70,9 +71,9 @@ class InProcess:
     name = "local"
 
     def run_pair(self, spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-                 sides: tuple = ("scratch", "trl"), store=None) -> dict:
+                 sides: tuple = ("scratch", "trl"), store=None, keep: bool = False):
         """`pairs.run_pair`, here."""
-        return pairs.run_pair(spec, out_dir, mode, progress, sides=sides, store=store)
+        return pairs.run_pair(spec, out_dir, mode, progress, sides=sides, store=store, keep=keep)
 
     def check(self, specs) -> None:
         pass
@@ -93,14 +94,14 @@ class _Pool:
         self._scratch: dict[str, concurrent.futures.Future] = {}
 
     def run_pair(self, spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-                 sides: tuple = ("scratch", "trl"), store=None) -> dict:
+                 sides: tuple = ("scratch", "trl"), store=None, keep: bool = False):
         """`pairs.run_pair` on a worker, after the scratch run it shares with other cells (made once)."""
         out_dir = Path(out_dir).resolve()  # a worker's working directory is not the driver's
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         root = str(Path(store.root).resolve()) if store is not None else None
         if store is not None and mode == "lockstep" and not store.has(spec):
             self._scratch_once(spec, out_dir, store, root)
-        return self._run(_pair_job, spec, spec, str(out_dir), mode, tuple(sides), root)
+        return self._run(_pair_job, spec, spec, str(out_dir), mode, tuple(sides), root, keep)
 
     def _scratch_once(self, spec, out_dir: Path, store, root: str) -> None:
         """The first caller of a scratch key makes it (into its own folder and the store); the others wait for it

@@ -12,6 +12,51 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Sketch:
+    """A run's parameter sketch (harness/runlog/params.py): a fixed slice of the weights after each step."""
+    rows: np.ndarray  # steps x width
+    meta: dict
+    init: np.ndarray | None = None  # the same coordinates before the first step (None: not recorded)
+
+
+def read_sketch(run_dir: Path) -> Sketch | None:
+    """A run folder's sketch, read once (None when it recorded none)."""
+    from harness.runlog.params import SKETCH_INIT, read_sketch as read
+
+    found = read(run_dir)
+    if found is None:
+        return None
+    init_path = Path(run_dir) / SKETCH_INIT
+    init = np.fromfile(init_path, dtype=np.float32) if init_path.exists() else None
+    return Sketch(found[0], found[1], init if init is not None and len(init) == found[1]["width"] else None)
+
+
+def relative_l2(a: Sketch | None, b: Sketch | None) -> list[float] | None:
+    """Per step ||a - b|| / ||b|| over the sketched coordinates (harness/runlog/params.relative_l2, on sketches in
+    hand); None when either has none or they differ in width."""
+    if a is None or b is None or a.meta["width"] != b.meta["width"]:
+        return None
+    n = min(len(a.rows), len(b.rows))
+    x, y = a.rows[:n].astype(np.float64), b.rows[:n].astype(np.float64)
+    return list(np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(y, axis=1), 1e-30))
+
+
+def your_loop_files(yours_dir: Path, loop_rollouts: Path) -> dict:
+    """What your loop saved besides its log, read once: its tensors, its selection (and where it is) and the
+    reward functions' scores of each round it was given, as CellData's fields."""
+    from harness.diagnose.tensordiff import round_scores
+    from harness.runlog.tensors import TENSORS_FILE, TRAINED_FILE, read_tensors, read_trained
+
+    yours_dir = Path(yours_dir)
+    trained = read_trained(yours_dir / TRAINED_FILE)
+    return {"tensors": read_tensors(yours_dir / TENSORS_FILE), "trained": trained,
+            "trained_path": str((yours_dir / TRAINED_FILE).resolve()) if trained else "",
+            "scores": tuple(round_scores(loop_rollouts))}
+
 
 @dataclasses.dataclass(frozen=True)
 class CellData:
@@ -32,6 +77,12 @@ class CellData:
     tensors: dict = dataclasses.field(default_factory=dict)  # your loop's saved tensors {step: {name: value}}
     trained: dict | None = None  # your loop's selection {step: [(round, index), ...]} (harness.loop.trained)
     trained_path: str = ""  # where that selection is (the built-in loop's SELECTION replays it)
+    sketches: dict = dataclasses.field(default_factory=dict)  # side -> its parameter sketch (Sketch) or None
+
+    @property
+    def comparison_runs(self) -> tuple:
+        """The two compared sides' metric logs, in `sides` order."""
+        return tuple(self.runs.get(side) for side in self.sides)
 
     @property
     def yours(self):

@@ -764,7 +764,8 @@ def _said(t: Trial, horizon: int) -> str:
     return parts if t.agree == 0 else f"agrees through step {t.agree}, then {parts}"
 
 
-def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, str] | None = None) -> list[dict]:
+def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, str] | None = None,
+            data=None) -> list[dict]:
     """Explain the cell's divergence (your loop against TRL on the rollouts of `cell_dir`): the attribution entries,
     the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
     written table where no quirk is left, match your loop at every step; `suspected` otherwise). `table`: where
@@ -777,9 +778,12 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     t0 = time.perf_counter()
     cell_dir = Path(cell_dir)
     yours_dir = cell_dir / "yours"
-    yours = load_any_run(yours_dir)
-    envelope = noise.load(cell_dir)
-    records = ReplaySource.from_file(cell_dir / ROLLOUTS_FILE).records
+    if data is not None:  # the cell as the pair left it (CellData): nothing read back
+        yours, envelope, records = data.yours, data.envelope, list(data.records)
+    else:
+        yours = load_any_run(yours_dir)
+        envelope = noise.load(cell_dir)
+        records = ReplaySource.from_file(cell_dir / ROLLOUTS_FILE).records
     root = cell_dir / "explain"
     if root.exists():
         shutil.rmtree(root)
@@ -788,7 +792,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     identified = _identify(spec, base, yours, yours_dir, records, log)
     opt = next((f for f in identified if f.stage == "optimizer" and f.readable), None)
     read, said, lr_ahead = settings_from_log(yours, base, opt.evidence.get("lrs") if opt else None)
-    weights, weights_said = reward_weights_from_log(yours, base, round_scores(cell_dir / LOOP_ROLLOUTS_FILE))
+    scores = list(data.scores) if data is not None else round_scores(cell_dir / LOOP_ROLLOUTS_FILE)
+    weights, weights_said = reward_weights_from_log(yours, base, scores)
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
     outside_first = sorted(m for m, v in result.get("metrics", {}).items()

@@ -152,13 +152,14 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
          "expected_cause": cell.expected_cause}
     try:
         def pair():
-            return backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store)
+            return backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store, keep=True)
 
-        result = own_pair(cell.spec, mode, pair) if tuple(cell.sides) == ("scratch", "trl") else pair()
+        data = own_pair(cell.spec, mode, pair) if tuple(cell.sides) == ("scratch", "trl") else pair()
+        result = data.comparison
         v["sides"] = list(cell.sides)
         v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
         v["first_divergence"] = result["first_divergence"]
-        details = attribute(cell, result, cell_dir, mode, progress, log, store, backend)
+        details = attribute(cell, result, cell_dir, mode, progress, log, store, backend, data=data)
         v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
         v["attribution_detail"] = details
         v["metrics"] = _summary_metrics(result)
@@ -167,18 +168,18 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         v["notes"] = result["notes"]
         if result.get("defined_differently"):  # your loop: only statistics part, training agrees
             v["defined_differently"] = result["defined_differently"]
-        v["updates"] = update_summary(cell_dir, cell.sides)
+        v["updates"] = update_summary(data)
         lost = lost_updates_warning(cell.spec, v["updates"])
         if lost:
             v["notes"].append(lost)
         if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
-            why = exact_reason(cell.expected_cause, cell_dir, details)
+            why = exact_reason(cell.expected_cause, data, details)
             if why is None and precision.wants_float32(cell, mode):  # or only bf16's rounding hid it
                 found = _in_float32(cell, v, log, lambda: precision.escalate(cell, result, cell_dir, mode, progress,
                                                                                log, store, backend))
                 why = found["words"] if found else None
             if why is None:
-                why = small_effect_reason(result, cell_dir, cell.spec, details, v["updates"])
+                why = small_effect_reason(result, data, cell.spec, details, v["updates"])
             if why:
                 v["cannot_show"] = why
         elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it

@@ -25,6 +25,7 @@ import socket
 from pathlib import Path
 
 from harness.diagnose import noise
+from harness.diagnose.cell import CellData, Sketch, read_sketch, relative_l2, your_loop_files
 from harness.diagnose.compare import compare_runs, load_any_run, load_tolerances
 from harness.diagnose.freerun import compare_free
 from harness.diagnose.preflight import apply_alignment
@@ -216,15 +217,18 @@ def _train(side: str, spec, run_dir: Path, progress: bool, rollouts=None, replay
 
 
 def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-             sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None) -> dict:
+             sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None, keep: bool = False):
     """Both sides on `spec` into out_dir/<side>; returns the comparison of sides[0] with sides[1]. `store`: where
-    scratch runs are shared (a matrix's); a run stored there with the same `scratch_key` is copied, not re-made."""
+    scratch runs are shared (a matrix's); a run stored there with the same `scratch_key` is copied, not re-made.
+    `keep`: return the cell instead (CellData: the comparison with everything the pair read or holds, so that no
+    later step reads the folder back)."""
     from harness.rollouts.lockstep import (LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, RecordingSource, ReplaySource,
                                            write_loop_rollouts)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "free":
-        return run_free_pair(spec, out_dir, progress, sides=sides)
+        result = run_free_pair(spec, out_dir, progress, sides=sides)
+        return CellData(spec, out_dir, tuple(sides), mode, result) if keep else result
     records, envelope, notes, (tok, eos, device) = _scratch_side(spec, out_dir, progress, store)
     broken = []
     for side in sides:
@@ -235,12 +239,17 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
         elif side == "yours":
             loop_rollouts = write_loop_rollouts(spec, records, out_dir / LOOP_ROLLOUTS_FILE)
             _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
-    result = compare_sides(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope)
+    sketches = {side: read_sketch(out_dir / side) for side in sides} if keep else None
+    result, runs = compare_loaded(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope, sketches)
     result["notes"] += notes
     if broken:
         result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
                                "for prompts the scratch loop did not use, so it sampled them from its own weights")
-    return result
+    if not keep:
+        return result
+    extra = your_loop_files(out_dir / "yours", out_dir / LOOP_ROLLOUTS_FILE) if "yours" in sides else {}
+    return CellData(spec, out_dir, tuple(sides), "lockstep", result, runs, tuple(records), envelope, tuple(eos),
+                    tok.pad_token_id, sketches=sketches, **extra)
 
 
 TENSOR_WALK_STEPS = 6  # at most this many steps' tensors when an unexplained pair is walked link by link
@@ -327,11 +336,29 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> d
     """compare_runs, and for a user's loop: only the metrics both sides log are compared (the rest are listed as
     not compared), and the final weights it saved are held against the other side's at that step. `envelope`:
     the noise twin's, for the calibrated tolerance (lockstep)."""
-    if "yours" not in (a_dir.name, b_dir.name):
-        return compare_runs(a_dir, b_dir, mode=mode, dtype=spec.DTYPE, envelope=envelope)
+    return compare_loaded(spec, a_dir, b_dir, mode, envelope)[0]
+
+
+def compare_loaded(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None, sketches: dict | None = None,
+                   runs: dict | None = None) -> tuple[dict, dict]:
+    """compare_sides, and each side's metric log it read ({} for two built-in sides, which compare_runs reads):
+    (comparison, {side folder name: frame}). `sketches` ({side folder name: cell.Sketch}) and `runs` (metric logs
+    by side folder name): what the caller holds already, not read again."""
     from harness.diagnose.compare import compare_frames
 
-    a, b = load_any_run(a_dir), load_any_run(b_dir)
+    if "yours" not in (a_dir.name, b_dir.name) and sketches is None and runs is None:
+        return compare_runs(a_dir, b_dir, mode=mode, dtype=spec.DTYPE, envelope=envelope), {}
+    runs = dict(runs or {})
+    for d in (a_dir, b_dir):
+        if d.name not in runs:
+            runs[d.name] = load_any_run(d)
+    a, b = runs[a_dir.name], runs[b_dir.name]
+    if "yours" not in (a_dir.name, b_dir.name):  # compare_runs, on what is in hand
+        rel = relative_l2(sketches.get(a_dir.name), sketches.get(b_dir.name)) if sketches is not None else None
+        result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), param_rel_l2=rel,
+                                envelope=envelope)
+        result["runs"] = [str(a_dir), str(b_dir)]
+        return result, runs
     result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), one_sided="not_compared",
                             envelope=envelope)
     result["runs"] = [str(a_dir), str(b_dir)]
@@ -341,31 +368,52 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> d
                                + (" ..." if len(not_compared) > 12 else ""))
     yours, other = (a_dir, b_dir) if a_dir.name == "yours" else (b_dir, a_dir)
     from harness.diagnose.compare import steps_logged_words
-    from loop_runner.run import final_weights_distance
 
-    skipped = steps_logged_words(a if yours == a_dir else b, spec)
+    skipped = steps_logged_words(runs[yours.name], spec)
     if skipped:
         result["notes"].append(skipped)
+    _held_to_final_weights(result, spec, yours, other, runs[yours.name], mode, envelope, sketches)
+    return _defined_differently(result), runs
 
-    found = final_weights_distance(yours, other, spec.SEED)
-    if found is not None:
-        step, dist = found
-        from harness.diagnose.compare import param_limit
 
-        tol = load_tolerances()
-        limit = param_limit(tol, mode, spec.DTYPE, calibrated=envelope is not None)
-        env_at = envelope.at("param_rel_l2", [step]) if envelope is not None else None
-        if env_at is not None:
-            limit = float(noise.bound(limit, env_at[0], noise.k_of(tol)))
-        result["metrics"]["param_rel_l2"] = {"max_abs": dist, "step_max_abs": step, "max_rel": dist, "mean_delta": dist,
-                                             "first_outside": step if dist > limit else None,
-                                             "tolerance": {"max": limit}}
-        result["notes"].append(f"final weights (step {step}): relative L2 distance {dist:.3g} (tolerance {limit:g})")
-        if dist > limit and mode == "lockstep":
-            if result["first_divergence"] is None or result["first_divergence"]["step"] > step:
-                result["first_divergence"] = {"step": step, "metric": "param_rel_l2"}
-            result["outside"] = sorted(set(result["outside"]) | {"param_rel_l2"})
-    return _defined_differently(result)
+FINAL = "yours-final"  # a cell's sketches: your loop's final weights, under this name
+
+
+def _held_to_final_weights(result: dict, spec, yours: Path, other: Path, log, mode: str, envelope,
+                           sketches: dict | None) -> None:
+    """The final weights your loop saved against the other side's sketch at that step, into `result`."""
+    from loop_runner.run import final_weights_distance, final_weights_sketch
+
+    sketch = sketches.get(other.name) if sketches is not None else read_sketch(other)
+    if sketch is None:  # (the original read your saved weights only where the other side had a sketch)
+        return
+    if sketches is not None and FINAL in sketches:
+        mine = sketches[FINAL]
+    else:
+        found = final_weights_sketch(yours, spec.SEED)
+        mine = Sketch(*found) if found is not None else None
+        if sketches is not None:
+            sketches[FINAL] = mine  # your final weights, sketched once per cell
+    last = int(log.index.max()) if len(log.index) else 0
+    found = final_weights_distance((mine.rows, mine.meta) if mine is not None else None, sketch.rows, sketch.meta, last)
+    if found is None:
+        return
+    step, dist = found
+    from harness.diagnose.compare import param_limit
+
+    tol = load_tolerances()
+    limit = param_limit(tol, mode, spec.DTYPE, calibrated=envelope is not None)
+    env_at = envelope.at("param_rel_l2", [step]) if envelope is not None else None
+    if env_at is not None:
+        limit = float(noise.bound(limit, env_at[0], noise.k_of(tol)))
+    result["metrics"]["param_rel_l2"] = {"max_abs": dist, "step_max_abs": step, "max_rel": dist, "mean_delta": dist,
+                                         "first_outside": step if dist > limit else None,
+                                         "tolerance": {"max": limit}}
+    result["notes"].append(f"final weights (step {step}): relative L2 distance {dist:.3g} (tolerance {limit:g})")
+    if dist > limit and mode == "lockstep":
+        if result["first_divergence"] is None or result["first_divergence"]["step"] > step:
+            result["first_divergence"] = {"step": step, "metric": "param_rel_l2"}
+        result["outside"] = sorted(set(result["outside"]) | {"param_rel_l2"})
 
 
 def _defined_differently(result: dict) -> dict:

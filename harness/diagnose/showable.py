@@ -14,8 +14,6 @@ to act at this configuration at all, and the harness can often tell from the run
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 LOST_UPDATES_WARN = 0.5  # above this fraction of unchanged coordinates per step, bf16 weights barely train
@@ -23,15 +21,8 @@ IS_RATIO_METRICS = ("sampling/importance_sampling_ratio/min", "sampling/importan
 AGREE_WITHIN = "the preflight lists it, but the runs agree within tolerance"  # the attribution's, when it knows no more
 
 
-def completion_lengths(rollouts_file: Path) -> list[list[int]]:
-    """Per recorded round, the length of each completion (tokens); none when the recording is missing or damaged
-    (read as the replay reads it: a cut-short last line is dropped)."""
-    from harness.rollouts.lockstep import ReplaySource
-
-    try:
-        records = ReplaySource.from_file(rollouts_file).records
-    except (OSError, ValueError):
-        return []
+def completion_lengths(records) -> list[list[int]]:
+    """Per recorded round (the cell's lockstep records), the length of each completion (tokens)."""
     return [[len(c) for c in rec["completion_ids"]] for rec in records]
 
 
@@ -50,18 +41,21 @@ def is_ratio_exactly_one(trl_metrics) -> bool:
     return bool(len(values)) and bool((values == 1.0).all())
 
 
-def update_summary(cell_dir: Path, sides=("scratch", "trl")) -> dict:
-    """Per side: the median over steps of the fraction of weights a step left unchanged, and of the median
-    |update| / |weight| (from the parameter sketches; harness/runlog/params.update_stats)."""
-    from harness.runlog.params import update_stats
+def update_summary(cell) -> dict:
+    """Per side of the cell (CellData): the median over steps of the fraction of weights a step left unchanged, and of
+    the median |update| / |weight| (from the parameter sketches; harness/runlog/params.step_update_stats)."""
+    from harness.runlog.params import step_update_stats
 
     out = {}
-    for side in sides:
-        stats = update_stats(Path(cell_dir) / side)
-        if stats:
-            out[side] = {"unchanged": float(np.median([s["unchanged"] for s in stats])),
-                         "median_rel": float(np.nanmedian([s["median_rel"] for s in stats])),
-                         "per_step_unchanged": [round(s["unchanged"], 4) for s in stats]}
+    for side in cell.sides:
+        sketch = cell.sketches.get(side)
+        if sketch is None or sketch.init is None or not len(sketch.rows):
+            continue
+        rows = np.vstack([sketch.init[None], sketch.rows])
+        stats = [step_update_stats(rows[t - 1], rows[t]) for t in range(1, len(rows))]
+        out[side] = {"unchanged": float(np.median([s["unchanged"] for s in stats])),
+                     "median_rel": float(np.nanmedian([s["median_rel"] for s in stats])),
+                     "per_step_unchanged": [round(s["unchanged"], 4) for s in stats]}
     return out
 
 
@@ -79,45 +73,42 @@ def lost_updates_warning(spec, summary: dict) -> str | None:
             "(MASTER_WEIGHTS = \"float32\", TRL's bf16=True on a float32-loaded model)")
 
 
-def exact_reason(cause: str | None, cell_dir: Path, details=None) -> str | None:
+def exact_reason(cause: str | None, cell, details=None) -> str | None:
     """A reason the toggle cannot act at this configuration at all, whatever the precision: the attribution's own
     (sampling settings in lockstep, clip bounds at a ratio of 1, ...), equal completion lengths for a loss_type, an
-    IS ratio of exactly 1. None when there is none (the effect may only be small: see `why_no_effect`)."""
-    from harness.diagnose.compare import load_any_run
-    from harness.rollouts.lockstep import ROLLOUTS_FILE
-
+    IS ratio of exactly 1. `cell`: the CellData. None when there is none (the effect may only be small: see
+    `why_no_effect`)."""
     said = [d.get("evidence") for d in details or [] if d.get("status") == "no measured effect"
             and d.get("evidence") and d["evidence"] != AGREE_WITHIN]
     if said:
         return said[0]
-    cell_dir = Path(cell_dir)
     if cause == "loss_type":
-        length = equal_lengths(completion_lengths(cell_dir / ROLLOUTS_FILE))
+        length = equal_lengths(completion_lengths(cell.records))
         if length is not None:
             return (f"every completion is {length} tokens long, so per-sequence and per-token means coincide and the "
                     "loss types compute one loss; give MAX_TOKENS room for completions to end at different lengths "
                     "(an eos) to see this toggle")
-    if cause == "importance_sampling" and (cell_dir / "trl").is_dir():
-        if is_ratio_exactly_one(load_any_run(cell_dir / "trl")):
+    if cause == "importance_sampling" and cell.runs.get("trl") is not None:
+        if is_ratio_exactly_one(cell.runs["trl"]):
             return ("the IS ratio is exactly 1 at every step (sampler and trainer log-probs agree), so the correction "
                     "multiplies by 1; it shows only with a sampler whose log-probs differ (vLLM, or sampler.kind = "
                     "\"emulated\")")
     return None
 
 
-def why_no_effect(cause: str | None, result: dict, cell_dir: Path, spec=None, details=None,
+def why_no_effect(cause: str | None, result: dict, cell, spec=None, details=None,
                   updates: dict | None = None) -> str | None:
     """The reason a toggle of `cause` could not show at this configuration, or None when the harness cannot tell:
-    an exact reason first (`exact_reason`), then the inexact ones (`small_effect_reason`). `details`: the
-    attribution's. `updates`: the cell's `update_summary`, when the caller has it (else read from the sketches)."""
-    return exact_reason(cause, cell_dir, details) or small_effect_reason(result, cell_dir, spec, details, updates)
+    an exact reason first (`exact_reason`), then the inexact ones (`small_effect_reason`). `cell`: the CellData;
+    `details`: the attribution's. `updates`: the cell's `update_summary`, when the caller has it."""
+    return exact_reason(cause, cell, details) or small_effect_reason(result, cell, spec, details, updates)
 
 
-def small_effect_reason(result: dict, cell_dir: Path, spec=None, details=None, updates: dict | None = None) -> str | None:
+def small_effect_reason(result: dict, cell, spec=None, details=None, updates: dict | None = None) -> str | None:
     """Why an effect may be too small to show: bf16 weights that lost most updates, then the run's noise floor, then
     the attribution's plain "agree within tolerance"."""
     if updates is None and spec is not None:
-        updates = update_summary(cell_dir)
+        updates = update_summary(cell)
     lost = lost_updates_warning(spec, updates) if spec is not None else None
     if lost:
         return f"most updates never reached the weights ({lost})"
