@@ -268,7 +268,8 @@ def cmd_parity(args) -> int:
         print(format_preflight(facts, diffs).split("\n\n")[-1])
         raise InputError(f"{args.spec or args.resume}: the two sides differ in {len(diffs)} way(s) (listed above), and "
                          "the matrix toggles TRL against a matched spec: align these first, or use --matrix none")
-    from harness.diagnose.matrix import format_verdict, run_matrix
+    from harness.diagnose.matrix import run_matrix
+    from harness.diagnose.verdict import format_verdict
     from harness.runlog.stops import graceful_stop
 
     with graceful_stop():

@@ -590,7 +590,7 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
 # ---------------------------------------------------------------------------------------------
 def write_parity_report(out_dir: str | Path) -> Path:
     from harness.diagnose.compare import load_tolerances
-    from harness.diagnose.matrix import headline
+    from harness.diagnose.verdict import headline
 
     out_dir = Path(out_dir)
     doc = json.loads((out_dir / "verdict.json").read_text())

@@ -103,7 +103,8 @@ def run_case(name: str) -> dict:
     """Run one case in its folder (emptied first) and return what is kept of it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from harness.diagnose.matrix import format_verdict, run_matrix
+    from harness.diagnose.matrix import run_matrix
+    from harness.diagnose.verdict import format_verdict
     from harness.experiment.spec import load_spec
 
     case = CASES[name]

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
 from harness.diagnose.explain import Trial, scratch_as_trl, settings_from_log, trl_fields, trl_moves
-from harness.diagnose.matrix import format_verdict, run_matrix
+from harness.diagnose.matrix import run_matrix
+from harness.diagnose.verdict import format_verdict
 from harness.experiment.spec import load_spec
 
 EXAMPLE = f"{sys.executable} {ROOT / 'examples' / 'my_grpo.py'}"

@@ -118,6 +118,7 @@ def test_a_run_cut_short_never_reads_ok(tmp_path, monkeypatch):
     """verdict.json after each cell: a killed or interrupted matrix is `complete: false` and not `ok`, however
     its finished cells went; the index says INCOMPLETE."""
     from harness.diagnose import matrix as M
+    from harness.diagnose.verdict import format_verdict
     from reports.render import write_index
 
     real = M.run_cell
@@ -138,7 +139,7 @@ def test_a_run_cut_short_never_reads_ok(tmp_path, monkeypatch):
     assert (doc["cells_done"], doc["cells_total"]) == (1, 2)
     shutil.copytree(tmp_path / "cut", tmp_path / "also")
     assert "INCOMPLETE" in write_index(tmp_path).read_text()
-    assert "parity INCOMPLETE" in M.format_verdict(doc)
+    assert "parity INCOMPLETE" in format_verdict(doc)
 
 
 def test_resume_with_another_spec_is_refused(tmp_path):

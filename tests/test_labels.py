@@ -41,7 +41,8 @@ def test_run_label_names_dtype_device_model_and_weights_hash():
 
 
 def test_manifests_verdict_and_report_say_what_ran(tmp_path):
-    from harness.diagnose.matrix import format_verdict, run_matrix
+    from harness.diagnose.matrix import run_matrix
+    from harness.diagnose.verdict import format_verdict
     from reports.render import write_parity_report
 
     spec = small_spec("STEPS=1")

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import DEFAULT_SPEC, small_spec
 from harness.diagnose import matrix as M
+from harness.diagnose.verdict import format_verdict
 
 
 @pytest.mark.slow
@@ -15,7 +16,7 @@ def test_default_matrix_is_ok(tmp_path):
     spec = small_spec("STEPS=20")
     doc = M.run_matrix(spec, tmp_path, "default", log=lambda *_: None)
     by_name = {c["name"]: c for c in doc["cells"]}
-    assert doc["ok"], M.format_verdict(doc)
+    assert doc["ok"], format_verdict(doc)
     assert by_name["matched"]["verdict"] == "parity"
     for name, cause in (("batch=naive", "batch"), ("loss_type=dapo", "loss_type"), ("loss_type=bnpo", "loss_type"),
                         ("loss_type=dr_grpo", "loss_type"), ("is=sequence_mask", "importance_sampling")):
@@ -58,7 +59,7 @@ def test_a_difference_without_effect_is_reported_not_hidden(tmp_path):
     assert "ratio is exactly 1" in cell["attribution_detail"][0]["evidence"]
     # the harness can tell why: "cannot show here" with that reason, not a failed cell (issue 18)
     assert cell["ok"] and doc["ok"] and "ratio is exactly 1" in cell["cannot_show"]
-    assert "cannot show here" in M.format_verdict(doc)
+    assert "cannot show here" in format_verdict(doc)
 
 
 def test_a_failing_cell_does_not_sink_the_matrix(tmp_path, monkeypatch):

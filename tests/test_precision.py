@@ -9,6 +9,7 @@ import pytest
 from conftest import small_spec
 from harness.diagnose import matrix as M
 from harness.diagnose import precision as P
+from harness.diagnose.verdict import format_verdict
 
 
 def test_power_fit_recovers_a_power_law():
@@ -57,7 +58,7 @@ def test_a_difference_bf16_hides_is_shown_in_float32(tmp_path):
     est = found["estimate"]
     assert est["step"] is not None and est["step"] > 6 and est["effect_p"] > est["bound_p"]
     assert cell["ok"] and cell["cannot_show"].startswith("shows in float32 at step 2 on param_rel_l2")
-    text = M.format_verdict(doc)
+    text = format_verdict(doc)
     assert "shows in float32 only (see below)" in text
     # what "see below" points at is there: the difference, what float32 showed, and the estimate
     below = text.split("(see below)", 1)[1]
@@ -145,7 +146,7 @@ def test_your_loop_at_parity_in_bf16_is_checked_in_float32(tmp_path):
     assert est["step"] is not None and est["step"] > 6 and est["effect_p"] > est["bound_p"] and len(found["effect"]) == 6
     assert (tmp_path / "run" / "yours-vs-trl" / "float32" / "yours").is_dir()
     assert "adam_beta2 = 0.9" in (tmp_path / "run" / "your_loop_in_trl.toml").read_text()
-    text = M.format_verdict(doc)
+    text = format_verdict(doc)
     assert "shows in float32 only (see below)" in text
     below = " ".join(text.split("(see below)", 1)[1].split())
     assert "in bfloat16 the sides' own rounding hides it over 6 steps" in below
@@ -165,7 +166,7 @@ def test_a_loop_that_ignores_dtype_is_told_float32_cannot_check_it(tmp_path, ste
     assert cell["verdict"] == "parity" and cell["precision"].get("loop_ignores_dtype"), cell.get("precision")
     assert cell["precision"]["first_divergence"] is None and "cannot_show" not in cell
     assert any("does not read DTYPE from PARITY_SPEC" in n for n in cell["notes"])
-    assert "does not read DTYPE from PARITY_SPEC" in " ".join(M.format_verdict(doc).split())  # in the headline
+    assert "does not read DTYPE from PARITY_SPEC" in " ".join(format_verdict(doc).split())  # in the headline
     assert not (tmp_path / "run" / "yours-vs-trl" / "float32" / "trl").exists()  # no TRL run to compare it with
 
 
@@ -176,7 +177,7 @@ def test_a_loop_that_matches_trl_is_at_parity_in_float32_too(tmp_path):
     cell = doc["cells"][0]
     assert cell["verdict"] == "parity" and "cannot_show" not in cell, cell.get("cannot_show")
     assert cell["precision"]["first_divergence"] is None and not cell["precision"]["finding"]
-    assert "agree in float32 too over 4 steps" in " ".join(M.format_verdict(doc).split())
+    assert "agree in float32 too over 4 steps" in " ".join(format_verdict(doc).split())
 
 
 @pytest.mark.slow
@@ -190,7 +191,7 @@ def test_a_nondeterministic_loop_is_not_said_to_hide_a_difference(tmp_path):
     found = cell["precision"]
     assert cell["verdict"] == "parity" and found["first_divergence"] is not None, found
     assert found["loop_nondeterministic"] and not found["finding"] and "cannot_show" not in cell
-    assert "it is not deterministic" in " ".join(M.format_verdict(doc).split())
+    assert "it is not deterministic" in " ".join(format_verdict(doc).split())
 
 
 @pytest.mark.slow
@@ -200,7 +201,7 @@ def test_your_loop_failing_in_float32_leaves_the_bf16_parity_standing_and_says_s
     doc = M.run_matrix(spec, tmp_path / "run", "none", log=lambda *_: None)
     cell = doc["cells"][0]
     assert cell["verdict"] == "parity" and cell["ok"] and "LoopError" in cell["precision"]["error"], cell
-    said = " ".join(M.format_verdict(doc).split())
+    said = " ".join(format_verdict(doc).split())
     assert "the float32 check of your loop failed" in said.lower() and "parity stands unchecked" in said
 
 

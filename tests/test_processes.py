@@ -10,6 +10,7 @@ import pytest
 from conftest import DEFAULT_SPEC, ROOT, small_spec
 from harness.diagnose import matrix as M
 from harness.diagnose.preflight import preflight
+from harness.diagnose.verdict import format_verdict
 from harness.runlog.log import read_run
 
 
@@ -17,7 +18,7 @@ from harness.runlog.log import read_run
 def test_two_processes_match_one_for_grpo_dr_grpo_dapo(tmp_path):
     doc = M.run_matrix(small_spec("STEPS=8"), tmp_path, "none", processes=2, log=lambda *_: None)
     by_name = {c["name"]: c for c in doc["cells"]}
-    assert doc["ok"], M.format_verdict(doc)
+    assert doc["ok"], format_verdict(doc)
     for lt in ("grpo", "dr_grpo", "dapo"):
         cell = by_name[f"processes=2:loss_type={lt}"]
         assert cell["verdict"] == "parity"

@@ -48,7 +48,7 @@ def test_the_headline_names_the_first_training_metric_that_parts_not_a_statistic
     defined differently while training parts at step 4: the headline names grad_norm there (it said 'first on kl'),
     the loss before grad_norm at one step, and where only statistics part says so. The built-in sides' first
     divergence (prompts_in_step) is named as it is."""
-    from harness.diagnose.matrix import headline
+    from harness.diagnose.verdict import headline
 
     def sentence(sides, first, **parted):
         cell = {"verdict": "diverged", "sides": sides, "first_divergence": first, "attribution_detail": [],

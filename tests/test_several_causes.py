@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import small_spec
-from harness.diagnose.matrix import format_verdict, run_matrix
+from harness.diagnose.matrix import run_matrix
+from harness.diagnose.verdict import format_verdict
 
 QUIET = {"log": lambda *_: None}
 

@@ -221,18 +221,13 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     from harness.diagnose.explain import EXPLAIN_FILE, explain
     from harness.diagnose.pairs import compare_sides
     from harness.diagnose.preflight import apply_alignment
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
+    from harness.rollouts.lockstep import ReplaySource
     from harness.runlog.params import relative_l2
     from trl_runner.runner import train as train_trl
 
     dtype, steps = cell.spec.DTYPE, cell.spec.STEPS
     spec32 = apply_alignment(cell.spec, {"set": FLOAT32})
-    folder = Path(cell_dir) / FOLDER
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    for name in (ROLLOUTS_FILE, LOOP_ROLLOUTS_FILE):
-        shutil.copyfile(Path(cell_dir) / name, folder / name)
-    records = ReplaySource.from_file(folder / ROLLOUTS_FILE).records
+    folder, records = _fresh_folder(cell_dir)
     log(f"    {cell.name}: parity in {dtype}; your loop and TRL again in float32 on the same rollouts "
         f"({_steps(steps)}), since {dtype}'s rounding can hide a setting over a few steps")
     out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": None, "attribution_detail": [],
@@ -240,11 +235,7 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     mine, same = your_loop_in_float32(spec32, cell_dir, folder)
     if same is not False:
         out["loop_ignores_dtype"] = same
-        out["words"] = (f"your loop's float32 run logged exactly what its {dtype} run did, step for step: it does not "
-                        f"read DTYPE from PARITY_SPEC, so float32 cannot show what {dtype}'s rounding may hide (read "
-                        "DTYPE as examples/my_grpo.py does to have it checked)" if same else
-                        "nothing your loop logs tells whether it read DTYPE over one step (the step-1 loss is the same "
-                        "in any dtype): log grad_norm, or run more steps, to have the parity checked in float32")
+        out["words"] = _ignores_dtype_words(same, dtype)
         return out
     envelope, k = None, noise.k_of(load_tolerances())
     if spec32.TOLERANCE == "calibrated":
@@ -294,6 +285,28 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     out["finding"] = True  # a real difference, repeatable, that no setting the search knows explains
     out["words"] = f"{where} and no setting the search knows explains it ({lead['cause']}, {lead['status']}); {hidden}"
     return out
+
+
+def _fresh_folder(cell_dir: Path) -> tuple[Path, list]:
+    """cell_dir/float32, emptied, with the cell's two rollout files copied in: (the folder, the records to replay)."""
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
+
+    folder = Path(cell_dir) / FOLDER
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name in (ROLLOUTS_FILE, LOOP_ROLLOUTS_FILE):
+        shutil.copyfile(Path(cell_dir) / name, folder / name)
+    return folder, ReplaySource.from_file(folder / ROLLOUTS_FILE).records
+
+
+def _ignores_dtype_words(same: bool | None, dtype: str) -> str:
+    """Why float32 can tell nothing: your loop's float32 run logged what its `dtype` run did (`same`), or nothing
+    it logs can tell (None)."""
+    return (f"your loop's float32 run logged exactly what its {dtype} run did, step for step: it does not "
+            f"read DTYPE from PARITY_SPEC, so float32 cannot show what {dtype}'s rounding may hide (read "
+            "DTYPE as examples/my_grpo.py does to have it checked)" if same else
+            "nothing your loop logs tells whether it read DTYPE over one step (the step-1 loss is the same "
+            "in any dtype): log grad_norm, or run more steps, to have the parity checked in float32")
 
 
 def _steps(n: int) -> str:
