@@ -90,6 +90,8 @@ def _strip(value, out: str):
 
         value = value.replace(out, "<OUT>").replace(str(cache_root()), "<CACHE>").replace(sys.executable, "<PY>")
         value = value.replace(str(ROOT), "<ROOT>")
+        # a shared scratch run's key hashes the reward file's absolute path: another checkout, another key
+        value = re.sub(r"(re-run of this matrix) \([0-9a-f]{20}\)", r"\1 (<KEY>)", value)
         return re.sub(r"\b\d+(\.\d+)? s\b", "<T> s", value)  # durations in prose ("35 runs, 2.6 s of search")
     return value
 
