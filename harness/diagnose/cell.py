@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+EXPLAIN_FILE = "your_loop_in_trl.toml"  # beside verdict.json: the TRL table the explanation of your loop writes
+
 
 @dataclasses.dataclass(frozen=True)
 class Sketch:

@@ -19,6 +19,7 @@ from pathlib import Path
 from harness.diagnose import precision
 from harness.diagnose.attribution import attribute, own_pair, reset_cache
 from harness.diagnose.backends import InProcess, WorkerDied, make_backend
+from harness.diagnose.explain import explain
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
 from harness.diagnose.showable import exact_reason, lost_updates_warning, small_effect_reason, update_summary
@@ -173,15 +174,15 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
             why = exact_reason(cell.expected_cause, data, details)
             if why is None and precision.wants_float32(cell, mode):  # or only bf16's rounding hid it
-                found = _in_float32(cell, v, log, lambda: precision.escalate(cell, result, cell_dir, mode, progress,
-                                                                               log, store, backend))
+                found = _in_float32(cell, v, log, lambda: precision.escalate(cell, data, mode, progress, log, store,
+                                                                               backend, attribute, own_pair))
                 why = found["words"] if found else None
             if why is None:
                 why = small_effect_reason(result, data, cell.spec, details, v["updates"])
             if why:
                 v["cannot_show"] = why
         elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it
-            found = _in_float32(cell, v, log, lambda: precision.escalate_loop(cell, result, cell_dir, log))
+            found = _in_float32(cell, v, log, lambda: precision.escalate_loop(cell, data, log, explain))
             if found is None:
                 v["precision"].update(loop=True, words=f"the float32 check of your loop failed "
                                       f"({v['precision']['error'][:300]}); the {cell.spec.DTYPE} parity stands unchecked")

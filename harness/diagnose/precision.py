@@ -28,11 +28,52 @@ from pathlib import Path
 import numpy as np
 
 from harness.diagnose import noise
-from harness.diagnose.float32 import FLOAT32, float32_twin, your_loop_in_float32
+from harness.diagnose.cell import EXPLAIN_FILE
 
 MIN_STEPS = 3  # Adam's betas change nothing before the second update (step 3)
 HORIZON = 10 ** 6  # past this many steps an estimate is "not within reach"
 FOLDER = "float32"
+
+
+# ---------------------------------------------------------------------------------------------
+# re-running in float32 what ran in bf16 (the float32 pair of your loop below, and the explanation's float32 search)
+# ---------------------------------------------------------------------------------------------
+FLOAT32 = {"DTYPE": "float32", "MASTER_WEIGHTS": "float32"}  # fp32 weights and arithmetic (torch leaves TF32 off)
+
+
+def your_loop_in_float32(spec32, data, root: Path, name: str = "yours"):
+    """Your loop in float32 into root/name, on the cell's own loop rollouts (`data`: the cell, CellData): (its metric
+    log, whether it logged exactly what its run in the cell did, so that it does not read DTYPE). The second is None
+    when nothing both log can tell: the step-1 loss is the same in any dtype (the ratio is 1 and the KL 0 there, so
+    it is the advantages' mean), so one step needs grad_norm. LoopError when your loop fails."""
+    from harness.diagnose.compare import load_any_run
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
+    from loop_runner.run import train as train_loop
+
+    train_loop(spec32, root / name, rollouts=Path(data.folder) / LOOP_ROLLOUTS_FILE, log=lambda *_: None)
+    mine, before = load_any_run(root / name), data.yours
+    steps = mine.index.intersection(before.index)
+    cols = [c for c in ("grad_norm", "loss") if c in mine and c in before and (c != "loss" or len(steps) > 1)]
+    return mine, (same_log(mine, before, cols) if cols else None)
+
+
+def same_log(a, b, columns: list[str]) -> bool:
+    """Two runs logged exactly the same values of `columns` at every step both logged."""
+    steps = a.index.intersection(b.index)
+    return bool(len(steps) and columns) and all(
+        a.loc[steps, c].astype(float).equals(b.loc[steps, c].astype(float)) for c in columns)
+
+
+def float32_twin(spec32, records, root: Path, plain: str = "scratch"):
+    """The built-in loop on `records` in float32 (root/plain) and its noise twin (root/twin): their envelope,
+    the tolerance of a float32 pair on those rollouts."""
+    from harness.diagnose.pairs import twin_envelope
+    from harness.rollouts.lockstep import ReplaySource
+    from scratch_grpo.train import train as train_scratch
+
+    for name, twin in ((plain, False), ("twin", True)):
+        train_scratch(spec32, root / name, rollout_source=ReplaySource(records), progress=False, noise_twin=twin)
+    return twin_envelope(root / plain, root / "twin")
 
 
 def wants_float32(cell, mode: str) -> bool:
@@ -123,50 +164,51 @@ def estimate_words(est: dict, dtype: str, on: str = "the weights") -> str:
 # ---------------------------------------------------------------------------------------------
 # the float32 pair
 # ---------------------------------------------------------------------------------------------
-def weights_bound(cell_dir: Path, mode: str, dtype: str, k: float, steps: int) -> np.ndarray:
-    """The bound a pair in `cell_dir` held the weights' distance to, per step: its noise twin's (calibrated), else
-    the static one."""
+def weights_bound(envelope, mode: str, dtype: str, k: float, steps: int) -> np.ndarray:
+    """The bound a pair held the weights' distance to, per step: its noise twin's `envelope` (calibrated), else the
+    static one (`envelope` None)."""
     from harness.diagnose.compare import load_tolerances, param_limit
 
-    env = noise.load(cell_dir)
-    limit = param_limit(load_tolerances(), mode, dtype, calibrated=env is not None)
-    at = env.at("param_rel_l2", range(1, steps + 1)) if env is not None else None
+    limit = param_limit(load_tolerances(), mode, dtype, calibrated=envelope is not None)
+    at = envelope.at("param_rel_l2", range(1, steps + 1)) if envelope is not None else None
     return np.broadcast_to(np.asarray(noise.bound(limit, at, k), dtype=float), (steps,)).copy()
 
 
-def against_bound(effect: list[float], cell_dir: Path, mode: str, dtype: str, k: float, steps: int) -> dict:
-    """A float32 effect on the weights held against the bound of the `dtype` pair in `cell_dir` over the steps both
-    cover: {"bound": per step, "estimate": steps_to_show}."""
-    low = weights_bound(cell_dir, mode, dtype, k, min(len(effect), steps))
+def against_bound(effect: list[float], envelope, mode: str, dtype: str, k: float, steps: int) -> dict:
+    """A float32 effect on the weights held against the bound of the `dtype` pair with noise `envelope` over the
+    steps both cover: {"bound": per step, "estimate": steps_to_show}."""
+    low = weights_bound(envelope, mode, dtype, k, min(len(effect), steps))
     return {"bound": low.tolist(), "estimate": steps_to_show(effect[:len(low)], low)}
 
 
-def escalate(cell, result: dict, cell_dir: Path, mode: str, progress: bool, log, store=None, backend=None) -> dict:
-    """The cell's pair again in float32 into cell_dir/float32, attributed there; what it found, in words too."""
-    from harness.diagnose.attribution import attribute, own_pair
-    from harness.diagnose.backends import InProcess
+def escalate(cell, data, mode: str, progress: bool, log, store, backend, attribute, own_pair) -> dict:
+    """The cell's pair (`data`, its CellData) again in float32 into its folder's float32/, attributed there by
+    `attribute` (the same flow as the cell: matrix.run_cell passes attribution's `attribute` and `own_pair`, which
+    import the explanation, which imports this module); what it found, in words too."""
+    from harness.diagnose.cell import relative_l2
     from harness.diagnose.preflight import apply_alignment
-    from harness.runlog.params import relative_l2
 
-    backend = backend or InProcess()
     dtype, steps = cell.spec.DTYPE, max(cell.spec.STEPS, MIN_STEPS)
     spec32 = apply_alignment(cell.spec, {"set": {**FLOAT32, "STEPS": steps}})
-    folder = Path(cell_dir) / FOLDER
+    folder = Path(data.folder) / FOLDER
     log(f"    {cell.name}: no effect in {dtype}; the same pair in float32 ({steps} steps) before saying it cannot show")
-    result32 = own_pair(spec32, mode, lambda: backend.run_pair(spec32, folder, mode, progress, store=store))
-    details = attribute(dataclasses.replace(cell, spec=spec32), result32, folder, mode, progress, log, store, backend)
-    effect = relative_l2(folder / "scratch", folder / "trl") or []
-    k = result.get("k_noise") or 10.0
+    data32 = own_pair(spec32, mode, lambda: backend.run_pair(spec32, folder, mode, progress, store=store, keep=True))
+    result32 = data32.comparison
+    details = attribute(dataclasses.replace(cell, spec=spec32), result32, folder, mode, progress, log, store, backend,
+                        data=data32)
+    effect = relative_l2(data32.sketches.get("scratch"), data32.sketches.get("trl")) or []
+    k = data.comparison.get("k_noise") or 10.0
     out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": result32["first_divergence"],
            "attribution_detail": details, "effect": [float(e) for e in effect],
            "confirmed": [d["cause"] for d in details if d.get("status") == "confirmed"]}
     if not effect:
         out["words"] = _words(out, None, None)
         return out
-    out.update(against_bound(out["effect"], cell_dir, mode, dtype, k, cell.spec.STEPS))
+    out.update(against_bound(out["effect"], data.envelope, mode, dtype, k, cell.spec.STEPS))
     high = None
     if result32["first_divergence"] is None:  # how far float32 itself is from showing it
-        high = steps_to_show(effect, weights_bound(folder, mode, "float32", result32.get("k_noise") or k, len(effect)))
+        high = steps_to_show(effect, weights_bound(data32.envelope, mode, "float32", result32.get("k_noise") or k,
+                                                   len(effect)))
         out["estimate_float32"] = high
     out["words"] = _words(out, out["estimate"], high)
     return out
@@ -209,49 +251,68 @@ def wants_float32_loop(cell, mode: str, result: dict) -> bool:
             and result.get("first_divergence") is None)
 
 
-def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
-    """Your loop and TRL again in float32 into cell_dir/float32, on the bf16 pair's own rollouts (training only,
-    as the explanation's float32 search runs), with a float32 noise twin of the built-in loop for the tolerance.
-    Where the two part, the explanation runs there (what TRL setting makes it your loop); a finding is one it
-    confirms with a difference named. Where it names none, your loop runs once more in float32: if it parts from
-    itself, it is not deterministic and float32 cannot tell. Where your loop's float32 run logs exactly what its
+def escalate_loop(cell, data, log, explain) -> dict:
+    """Your loop and TRL again in float32 into the cell folder's float32/, on the bf16 pair's own rollouts
+    (`data`: the cell, CellData; training only, as the explanation's float32 search runs), with a float32 noise twin
+    of the built-in loop for the tolerance. Where the two part, `explain` (the explanation: matrix.run_cell passes
+    it, since it imports this module) runs on that float32 cell (what TRL setting makes it your loop); a finding is
+    one it confirms with a difference named. Where it names none, your loop runs once more in float32: if it parts
+    from itself, it is not deterministic and float32 cannot tell. Where your loop's float32 run logs exactly what its
     bf16 run did, it does not read DTYPE and float32 can tell nothing. `words` says which; `finding` whether the
     bf16 parity hides a difference."""
-    from harness.diagnose.compare import compare_frames, load_tolerances
-    from harness.diagnose.explain import EXPLAIN_FILE, explain
-    from harness.diagnose.pairs import compare_sides
     from harness.diagnose.preflight import apply_alignment
-    from harness.rollouts.lockstep import ReplaySource
-    from harness.runlog.params import relative_l2
-    from trl_runner.runner import train as train_trl
 
     dtype, steps = cell.spec.DTYPE, cell.spec.STEPS
     spec32 = apply_alignment(cell.spec, {"set": FLOAT32})
-    folder, records = _fresh_folder(cell_dir)
+    folder = _fresh_folder(data.folder)
     log(f"    {cell.name}: parity in {dtype}; your loop and TRL again in float32 on the same rollouts "
         f"({_steps(steps)}), since {dtype}'s rounding can hide a setting over a few steps")
     out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": None, "attribution_detail": [],
            "effect": [], "confirmed": [], "loop": True, "finding": False}
-    mine, same = your_loop_in_float32(spec32, cell_dir, folder)
+    mine, same = your_loop_in_float32(spec32, data, folder)
     if same is not False:
         out["loop_ignores_dtype"] = same
         out["words"] = _ignores_dtype_words(same, dtype)
         return out
-    envelope, k = None, noise.k_of(load_tolerances())
-    if spec32.TOLERANCE == "calibrated":
-        envelope = float32_twin(spec32, records, folder)
-        noise.save(envelope, folder, k, str(folder / "twin"))
-    train_trl(spec32, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
-    result32 = compare_sides(spec32, folder / "yours", folder / "trl", "lockstep", envelope)
-    out["first_divergence"] = fd = result32["first_divergence"]
+    data32 = _loop_cell32(spec32, data, folder, mine)
+    out["first_divergence"] = fd = data32.comparison["first_divergence"]
     if fd is None:
         out["words"] = (f"your loop and TRL agree in float32 too over {_steps(steps)}: no difference that {dtype}'s "
                         "rounding hides shows at this length (one smaller still may part them over more steps)")
         return out
-    out["attribution_detail"] = details = explain(spec32, folder, result32, log,
-                                                  table=(Path(cell_dir).parent / EXPLAIN_FILE,
-                                                         f"{cell.name}, its float32 pair"))
-    lead = details[0]
+    out["attribution_detail"] = details = explain(spec32, folder, data32.comparison, log, table=(
+        Path(data.folder).parent / EXPLAIN_FILE, f"{cell.name}, its float32 pair"), data=data32)
+    return _loop_finding(out, details[0], cell, data, data32, mine)
+
+
+def _loop_cell32(spec32, data, folder: Path, mine):
+    """The float32 cell of your loop: TRL in float32 on the cell's records into folder/trl, a float32 noise twin of
+    the built-in loop for the tolerance, compared with your float32 run (`mine`, its log): a CellData."""
+    from harness.diagnose.cell import read_sketch, your_loop_files
+    from harness.diagnose.compare import load_tolerances
+    from harness.diagnose.pairs import compare_loaded
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ReplaySource
+    from trl_runner.runner import train as train_trl
+
+    records = list(data.records)
+    envelope = None
+    if spec32.TOLERANCE == "calibrated":
+        envelope = float32_twin(spec32, records, folder)
+        noise.save(envelope, folder, noise.k_of(load_tolerances()), str(folder / "twin"))
+    train_trl(spec32, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
+    sketches = {"trl": read_sketch(folder / "trl")}
+    result32, runs = compare_loaded(spec32, folder / "yours", folder / "trl", "lockstep", envelope, sketches,
+                                    runs={"yours": mine})
+    return dataclasses.replace(data, spec=spec32, folder=folder, comparison=result32, runs=runs, envelope=envelope,
+                               sketches=sketches, **your_loop_files(folder / "yours", folder / LOOP_ROLLOUTS_FILE))
+
+
+def _loop_finding(out: dict, lead: dict, cell, data, data32, mine) -> dict:
+    """What the explanation of your loop's float32 pair found (`lead`, its verdict entry), in `out`."""
+    from harness.diagnose.cell import read_sketch, relative_l2
+    from harness.diagnose.compare import compare_frames, load_tolerances
+
+    dtype, steps, fd = cell.spec.DTYPE, cell.spec.STEPS, out["first_divergence"]
     out["confirmed"] = [lead["cause"]] if lead.get("status") == "confirmed" else []
     where = f"in float32 your loop parts from TRL at step {fd['step']} on {fd['metric']}"
     hidden = f"in {dtype} the sides' own rounding hides it over {_steps(steps)}"
@@ -259,12 +320,15 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
         out["finding"] = True
         # your loop saves its weights at its last step only: the built-in loop with what the explanation found,
         # which matched your loop at every step, stands in for it on the weights per step
-        effect = relative_l2(Path(lead["matched_by"]), folder / "trl") if lead.get("matched_by") else None
+        matched = lead.get("matched_by")
+        effect = relative_l2(data32.sketches.get(Path(matched).name) or read_sketch(Path(matched)),
+                             data32.sketches.get("trl")) if matched else None
         said = ", ".join(f"{d['field']} = {d['value']}" for d in lead["differences"])
         text = f"{where} ({lead['cause']}, confirmed); {hidden}"
         if effect:
             out["effect"] = [float(e) for e in effect]
-            out.update(against_bound(out["effect"], cell_dir, "lockstep", dtype, result.get("k_noise") or k, steps))
+            k = data.comparison.get("k_noise") or noise.k_of(load_tolerances())
+            out.update(against_bound(out["effect"], data.envelope, "lockstep", dtype, k, steps))
             text += (f"; estimated on the weights of the built-in loop with {said}, which matched your loop at every "
                      f"step (yours saves only its final weights): {estimate_words(out['estimate'], dtype)}")
         out["words"] = text
@@ -273,9 +337,9 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
         out["words"] = (f"{where}, but the built-in loop set up as TRL matches your loop there: the difference is "
                         "between the built-in loop and TRL in float32, not in your loop's settings")
         return out
-    again, _same = your_loop_in_float32(spec32, cell_dir, folder, "yours-again")
+    again, _same = your_loop_in_float32(data32.spec, data, data32.folder, "yours-again")
     itself = compare_frames(mine, again, mode="lockstep", dtype="float32", tolerances=load_tolerances(),
-                            one_sided="not_compared", envelope=envelope)["first_divergence"]
+                            one_sided="not_compared", envelope=data32.envelope)["first_divergence"]
     if itself is not None:
         out["loop_nondeterministic"] = itself
         out["words"] = (f"{where}, but two float32 runs of your loop on the same rollouts part from each other too "
@@ -287,16 +351,16 @@ def escalate_loop(cell, result: dict, cell_dir: Path, log) -> dict:
     return out
 
 
-def _fresh_folder(cell_dir: Path) -> tuple[Path, list]:
-    """cell_dir/float32, emptied, with the cell's two rollout files copied in: (the folder, the records to replay)."""
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
+def _fresh_folder(cell_dir: Path) -> Path:
+    """cell_dir/float32, emptied, with the cell's two rollout files copied in (your loop reads its own)."""
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE
 
     folder = Path(cell_dir) / FOLDER
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     for name in (ROLLOUTS_FILE, LOOP_ROLLOUTS_FILE):
         shutil.copyfile(Path(cell_dir) / name, folder / name)
-    return folder, ReplaySource.from_file(folder / ROLLOUTS_FILE).records
+    return folder
 
 
 def _ignores_dtype_words(same: bool | None, dtype: str) -> str:
