@@ -41,39 +41,13 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
         rules.append("keeps truncated completions in the loss")
         settings["MASK_TRUNCATED"] = False
         extra_in = []
-    if left:
-        ids = {completion_ids[i][t] for i, t in left}
-        every = {(i, t) for i, c in enumerate(completion_ids) for t, tok in enumerate(c) if tok in ids
-                 and not (settings.get("MASK_TRUNCATED") and truncated[i])}
-        last_eos = {(i, lengths[i] - 1) for i in range(len(mine)) if lengths[i] and not truncated[i]}
-        if left == last_eos or (ids <= eos and left == every):
-            rules.append("leaves each completion's eos token out of the loss (TRL counts it)")
-            settings["COMPLETION_MASK"] = "no_eos"
+    if left:  # a rule on the ids or positions of what is left out
+        token = _token_rule(left, completion_ids, eos, lengths, truncated, settings.get("MASK_TRUNCATED"), pad_id)
+        if token:
+            said, found, no_switch, token_unsettled = token
+            rules.append(said)
+            settings.update(found)
             left = set()
-        elif left == every:
-            named = ", ".join(str(x) for x in sorted(ids)[:6])
-            pad = f" (the pad token's id, {pad_id}: a mask built from `ids != pad_id`)" if pad_id in ids else ""
-            rules.append(f"leaves every token with id {named}{pad} out of the loss, wherever it stands "
-                         f"({len(left)} token(s) here)")
-            if len(ids) == 1:  # one id: MASK_TOKEN_ID (whether it also leaves the sequence is the search's to tell)
-                settings["MASK_TOKEN_ID"] = int(next(iter(ids)))
-                token_unsettled = ("whether that token also leaves the sequence the model sees (MASK_TOKEN_DROP, as a "
-                                   "loop that packs its sequences without pad tokens does): the mask cannot tell, the "
-                                   "log-probs after it can: the search decides",)
-            else:
-                no_switch = True
-            left = set()
-        else:
-            starts = {}
-            for i, t in left:
-                starts.setdefault(i, []).append(t)
-            cut = {min(ts) for ts in starts.values()}
-            if len(cut) == 1 and all(sorted(ts) == list(range(min(ts), lengths[i])) for i, ts in starts.items()) and \
-                    all(lengths[i] <= min(cut) for i in range(len(mine)) if i not in starts):
-                k = min(cut)
-                rules.append(f"counts only the first {k} tokens of each completion")
-                no_switch = True
-                left = set()
     unexplained = bool(left)
     if left:
         i, t = sorted(left)[0]
@@ -108,3 +82,34 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
                    unsettled=token_unsettled,
                    settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID")
                                  if k in settings or k in shows) if exact and not no_switch else ())
+
+
+def _token_rule(left: set, completion_ids, eos: set, lengths, truncated, masks_truncated, pad_id) -> tuple | None:
+    """The rule on token features that leaves out exactly the tokens `left` ((completion, position) pairs TRL
+    counts): each completion's eos, every occurrence of some ids, or every position from some index on.
+    (words, settings, no_switch, unsettled), or None where no such rule fits."""
+    ids = {completion_ids[i][t] for i, t in left}
+    every = {(i, t) for i, c in enumerate(completion_ids) for t, tok in enumerate(c) if tok in ids
+             and not (masks_truncated and truncated[i])}
+    last_eos = {(i, lengths[i] - 1) for i in range(len(lengths)) if lengths[i] and not truncated[i]}
+    if left == last_eos or (ids <= eos and left == every):
+        return "leaves each completion's eos token out of the loss (TRL counts it)", {"COMPLETION_MASK": "no_eos"}, \
+            False, ()
+    if left == every:
+        named = ", ".join(str(x) for x in sorted(ids)[:6])
+        pad = f" (the pad token's id, {pad_id}: a mask built from `ids != pad_id`)" if pad_id in ids else ""
+        said = f"leaves every token with id {named}{pad} out of the loss, wherever it stands ({len(left)} token(s) here)"
+        if len(ids) == 1:  # one id: MASK_TOKEN_ID (whether it also leaves the sequence is the search's to tell)
+            return said, {"MASK_TOKEN_ID": int(next(iter(ids)))}, False, (
+                "whether that token also leaves the sequence the model sees (MASK_TOKEN_DROP, as a loop that packs its "
+                "sequences without pad tokens does): the mask cannot tell, the log-probs after it can: the search "
+                "decides",)
+        return said, {}, True, ()
+    starts = {}
+    for i, t in left:
+        starts.setdefault(i, []).append(t)
+    cut = {min(ts) for ts in starts.values()}
+    if len(cut) == 1 and all(sorted(ts) == list(range(min(ts), lengths[i])) for i, ts in starts.items()) and \
+            all(lengths[i] <= min(cut) for i in range(len(lengths)) if i not in starts):
+        return f"counts only the first {min(cut)} tokens of each completion", {}, True, ()
+    return None

@@ -45,73 +45,88 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
                           getattr(spec, "IS_CLIP_MIN", 0.0) or None, getattr(spec, "IS_CLIP_MAX", 3.0)) if whole else {}
     forms.update({f"is:{m}": forms["ratio"] * w for m, w in weights.items()})  # TRL: the weight before the KL term
 
-    def fit(pg):
-        """None, or how `pg` (+ a KL term) gives your per-token loss: (the KL fit or None, its weights' spread, what
-        stays unsettled)."""
-        resid = ptl - pg
-        if np.all(np.abs(resid) <= tol):
-            return None, 0.0, []
-        if ref is None:
-            return None
-        fits = []  # every estimator (and ratio factor) that fits: for a small log-ratio k2 and k3 look alike
-        for est in ("k3", "k1", "k2"):
-            for factor in (True, False):
-                k = _kl(lp, ref, est) * (ratio if factor else 1.0)
-                if not np.any(np.abs(k) > 1e-12):
-                    continue
-                beta = float(np.dot(k, resid) / np.dot(k, k))
-                if beta > 0 and np.all(np.abs(resid - beta * k) <= tol + 1e-6 * beta):
-                    fits.append((est, beta, factor))
-        if not fits:
-            return None
-        ests, betas = list(dict.fromkeys(e for e, _, _ in fits)), [b for _, b, _ in fits]
-        return fits[0], max(betas) - min(betas), ([] if len(ests) < 2 else [  # (estimators alike: weights alike)
-            f"the KL estimators {', '.join(ests)} fit alike at this step (a small log-ratio), with weights "
-            f"{min(betas):.3g} to {max(betas):.3g}"])
-
     fitted = {}
     for form, pg in forms.items():
-        got = fit(pg)
+        got = _kl_fit(ptl - pg, lp, ref, ratio, tol)
         if got is not None:
             fitted[form] = (pg, *got)
             if not weights:  # (with a sampler's log-probs every form is tried: with and without its weight)
                 break
-    unsettled, out, spread, is_settings, is_words, is_settles = [], None, 0.0, {}, [], ()
+    form, settings, words, is_settles, unsettled = _policy_term(fitted, weights, spec, tol, a)
+    if form is None:
+        return _no_objective(ptl, ratio, a, ref, weights, old_logps is None, clip_low, clip_high, step)
+    _pg, kl, spread, kl_unsettled = fitted[form]
+    form = "ratio" if form.startswith("is:") else form
+    unsettled += kl_unsettled
+    if form == "logp":
+        words.append("takes the policy term as -logp * A (REINFORCE's value; TRL's -ratio * A has the same gradient "
+                     "at ratio 1, another value: the logged loss differs in value alone)")
+    kl_words, kl_settings, kl_unsettled = _kl_term(kl, spread, ratio, lp, ref, tol)
+    words += kl_words
+    settings.update(kl_settings)
+    unsettled += kl_unsettled
+    moved = np.abs(ratio - 1.0) > 1e-6
+    if not np.any(moved):
+        unsettled.append("the ratio is exactly 1 at this step (one pass on the policy that generated): the clip bounds "
+                         "cannot act")
+    elif form == "ratio":
+        unsettled += _unreached(ratio, a, clip_low, clip_high)
+    if spec:
+        spec_has = {"BETA": spec.BETA, "KL_ESTIMATOR": getattr(spec, "KL_ESTIMATOR", "k3"),
+                    "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True),
+                    "IS_CORRECTION": getattr(spec, "IS_CORRECTION", False), "IS_MODE": getattr(spec, "IS_MODE", None)}
+        settings = {k: v for k, v in settings.items() if not _same(spec_has.get(k), v)}
+    rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
+    # a KL term can show in value (the reference apart from the policy), and one was found: a per-token loss saved
+    # without it (a KL aggregated apart, as verl's) says nothing of the weight
+    seen = ref is not None and np.any(np.abs(ref - lp) > 1e-6) and kl is not None and not any(
+        u.startswith("the KL estimators") for u in unsettled)
+    settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if seen else ()
+    return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
+                   unsettled=tuple(unsettled), settles=settles + is_settles,
+                   evidence={"form": form, **({"kl": kl} if kl else {})})
+
+
+def _kl_fit(resid, lp, ref, ratio, tol):
+    """None, or how a policy term (+ a KL term) gives your per-token loss, from the residual `resid` it leaves: (the
+    KL fit (estimator, weight, ratio factor) or None, its weights' spread, what stays unsettled)."""
+    if np.all(np.abs(resid) <= tol):
+        return None, 0.0, []
+    if ref is None:
+        return None
+    fits = []  # every estimator (and ratio factor) that fits: for a small log-ratio k2 and k3 look alike
+    for est in ("k3", "k1", "k2"):
+        for factor in (True, False):
+            k = _kl(lp, ref, est) * (ratio if factor else 1.0)
+            if not np.any(np.abs(k) > 1e-12):
+                continue
+            beta = float(np.dot(k, resid) / np.dot(k, k))
+            if beta > 0 and np.all(np.abs(resid - beta * k) <= tol + 1e-6 * beta):
+                fits.append((est, beta, factor))
+    if not fits:
+        return None
+    ests, betas = list(dict.fromkeys(e for e, _, _ in fits)), [b for _, b, _ in fits]
+    return fits[0], max(betas) - min(betas), ([] if len(ests) < 2 else [  # (estimators alike: weights alike)
+        f"the KL estimators {', '.join(ests)} fit alike at this step (a small log-ratio), with weights "
+        f"{min(betas):.3g} to {max(betas):.3g}"])
+
+
+def _policy_term(fitted: dict, weights: dict, spec, tol, a) -> tuple:
+    """Of the policy-term forms that fit (`fitted`: form -> (term, KL fit, spread, unsettled)), the one read, with
+    what it says of TRL's importance-sampling weight: (form or None, settings, words, settles, unsettled)."""
     plain = next((f for f in ("ratio", "logp") if f in fitted), None)
     is_fit = [m for m in weights if f"is:{m}" in fitted]
     if weights and (plain or is_fit):
         is_settings, is_words, is_settles, is_unsettled = _is_reading(plain, is_fit, weights, spec, tol, a)
-        unsettled += is_unsettled
         form = plain or f"is:{is_settings['IS_MODE']}"  # (the mode read is one that fits)
-    else:
-        form = plain
-    if form is not None:
-        pg, kl, spread, kl_unsettled = fitted[form]
-        out = ("ratio" if form.startswith("is:") else form, pg, kl)
-        unsettled += kl_unsettled
-    settings, words = dict(is_settings), list(is_words)
-    if out is None:
-        # (a weight on the policy term is no clip: -term / A is the weight then; and at a ratio of exactly 1 no clip
-        # bound can act)
-        clip = None if weights or not np.any(np.abs(ratio - 1.0) > 1e-6) else _clip_bounds(
-            ptl, ratio, a, ref is None, clip_low, clip_high)
-        if clip:
-            return dataclasses.replace(clip, step=step)
-        if weights:
-            return Finding("objective", step, "your per-token loss is not TRL's objective with or without its "
-                           "importance-sampling weight (any of its four modes at the spec's bounds IS_CLIP_MIN, "
-                           "IS_CLIP_MAX; other bounds, or another correction, are not read)", {}, False, no_switch=True)
-        if old_logps is None:
-            return Finding("objective", step, "cannot be read: your per-token loss is not -A (+ a KL term) with the "
-                           "ratio taken as 1; where the ratio is not 1 (a second pass, old log-probs from another "
-                           "pass) the stage needs old_logps saved", {}, False, readable=False)
-        return Finding("objective", step, "your per-token loss is not -min(ratio A, clip(ratio) A) + beta KL (k1, k2 "
-                       "or k3, with or without the ratio factor) nor -logp A with the same inputs", {}, False,
-                       no_switch=True)
-    form, pg, kl = out
-    if form == "logp":
-        words.append("takes the policy term as -logp * A (REINFORCE's value; TRL's -ratio * A has the same gradient "
-                     "at ratio 1, another value: the logged loss differs in value alone)")
+        return form, dict(is_settings), list(is_words), is_settles, list(is_unsettled)
+    return plain, {}, [], (), []
+
+
+def _kl_term(kl, spread: float, ratio, lp, ref, tol) -> tuple[list, dict, list]:
+    """What the KL fit says (or, with none, what the reference log-probs let the run tell): (words, settings,
+    unsettled)."""
+    words, settings, unsettled = [], {}, []
     if kl:
         est, beta, factor = kl
         near = min((0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0), key=lambda v: abs(v - beta))
@@ -136,26 +151,29 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     elif ref is not None:
         unsettled.append("the reference model's log-probs equal the policy's at this step (it starts from them): a "
                          "KL term is 0 in value here")
-    moved = np.abs(ratio - 1.0) > 1e-6
-    if not np.any(moved):
-        unsettled.append("the ratio is exactly 1 at this step (one pass on the policy that generated): the clip bounds "
-                         "cannot act")
-    elif form == "ratio":
-        unsettled += _unreached(ratio, a, clip_low, clip_high)
-    if spec:
-        spec_has = {"BETA": spec.BETA, "KL_ESTIMATOR": getattr(spec, "KL_ESTIMATOR", "k3"),
-                    "KL_IS_CORRECTION": getattr(spec, "KL_IS_CORRECTION", True),
-                    "IS_CORRECTION": getattr(spec, "IS_CORRECTION", False), "IS_MODE": getattr(spec, "IS_MODE", None)}
-        settings = {k: v for k, v in settings.items() if not _same(spec_has.get(k), v)}
-    rule = "your loop " + ("; ".join(words) if words else "has TRL's per-token objective")
-    # a KL term can show in value (the reference apart from the policy), and one was found: a per-token loss saved
-    # without it (a KL aggregated apart, as verl's) says nothing of the weight
-    seen = ref is not None and np.any(np.abs(ref - lp) > 1e-6) and kl is not None and not any(
-        u.startswith("the KL estimators") for u in unsettled)
-    settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if seen else ()
-    return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
-                   unsettled=tuple(unsettled), settles=settles + is_settles,
-                   evidence={"form": form, **({"kl": kl} if kl else {})})
+    return words, settings, unsettled
+
+
+def _no_objective(ptl, ratio, a, ref, weights: dict, no_old: bool, clip_low: float, clip_high: float, step) -> Finding:
+    """No form fits: the clip bounds where a term was clipped (no KL term, no importance-sampling weight, a ratio
+    away from 1), else why not."""
+    # (a weight on the policy term is no clip: -term / A is the weight then; and at a ratio of exactly 1 no clip
+    # bound can act)
+    clip = None if weights or not np.any(np.abs(ratio - 1.0) > 1e-6) else _clip_bounds(
+        ptl, ratio, a, ref is None, clip_low, clip_high)
+    if clip:
+        return dataclasses.replace(clip, step=step)
+    if weights:
+        return Finding("objective", step, "your per-token loss is not TRL's objective with or without its "
+                       "importance-sampling weight (any of its four modes at the spec's bounds IS_CLIP_MIN, "
+                       "IS_CLIP_MAX; other bounds, or another correction, are not read)", {}, False, no_switch=True)
+    if no_old:
+        return Finding("objective", step, "cannot be read: your per-token loss is not -A (+ a KL term) with the "
+                       "ratio taken as 1; where the ratio is not 1 (a second pass, old log-probs from another "
+                       "pass) the stage needs old_logps saved", {}, False, readable=False)
+    return Finding("objective", step, "your per-token loss is not -min(ratio A, clip(ratio) A) + beta KL (k1, k2 "
+                   "or k3, with or without the ratio factor) nor -logp A with the same inputs", {}, False,
+                   no_switch=True)
 
 
 def _is_weights(trainer_rows, sampler_rows, lengths, keep, lo: float | None, hi: float) -> dict:

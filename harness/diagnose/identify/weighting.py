@@ -74,6 +74,12 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
     if abs(total) < 1e-3 * max(float(np.abs(sums).sum()), 1e-30) or loss == 0:
         return Finding("weighting", step, "cannot be read: the masked per-token losses sum to nearly 0 or the loss "
                        "is 0", {}, False, readable=False)
+    return _divisor(total, loss, counts, lengths, n, max_tokens, grad_accum, step)
+
+
+def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int, grad_accum: int, step) -> Finding:
+    """No loss type gives your loss: the divisor itself, D = sum / loss, set against the counts it could be (the
+    mask's tokens, every completion token, completions x the longest, completions x max tokens, completions)."""
     d = total / loss
     longest = max(lengths) if lengths else 0
     cands = {"the loss's tokens": counts.sum(), "every completion token (the mask's dropped tokens too)": sum(lengths),
