@@ -8,6 +8,7 @@ import numpy as np
 
 from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.numerics import _arr, _same, snap
+from harness.diagnose.identify.steps import steps
 
 
 def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
@@ -281,3 +282,9 @@ def _std_fit(scales: dict, rewards: dict) -> dict | None:
         return None
     # the simplest: the epsilon outside the root before inside, Bessel's (TRL's) before the population's
     return sorted(fits, key=lambda f: (f["inside"], f["spread"] > f["unc"], f["std"] != "bessel"))[0]
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Your advantages at every step that saved them with its rewards, its rows whole groups."""
+    return [advantages(s.tensors["rewards"], s.tensors["advantages"], cell.spec.GROUP_SIZE, cell.spec, step=s.step)
+            for s in steps(cell) if "rewards" in s.tensors and "advantages" in s.tensors and s.whole]

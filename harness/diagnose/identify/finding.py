@@ -8,7 +8,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """What one stage of your loop does, read from its tensors."""
-    stage: str  # one of STAGES: selection | rewards | advantages | mask | weighting | objective | optimizer
+    stage: str  # one of CHAIN: selection | rewards | advantages | mask | weighting | objective | optimizer
     step: int | None  # the step whose tensors were read (None: several)
     rule: str  # in words, of your loop ("centres each group's rewards and divides by its population std + 1e-8")
     settings: dict  # spec fields that make the built-in loop do the same ({}: TRL's as the spec sets it up)

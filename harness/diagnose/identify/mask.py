@@ -4,6 +4,7 @@ against TRL's completion mask."""
 from __future__ import annotations
 
 from harness.diagnose.identify.finding import Finding
+from harness.diagnose.identify.steps import _rows_of, steps
 
 
 def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = None, max_tokens: int | None = None,
@@ -113,3 +114,10 @@ def _token_rule(left: set, completion_ids, eos: set, lengths, truncated, masks_t
             all(lengths[i] <= min(cut) for i in range(len(lengths)) if i not in starts):
         return f"counts only the first {min(cut)} tokens of each completion", {}, True, ()
     return None
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Your loss mask at every step that saved one row per completion."""
+    spec = cell.spec
+    return [mask(s.tensors["mask"], s.completions, cell.eos_ids, spec, cell.pad_id, spec.MAX_TOKENS, step=s.step)
+            for s in steps(cell) if "mask" in s.tensors and _rows_of(s.tensors["mask"], len(s.completions))]

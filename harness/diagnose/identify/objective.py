@@ -10,6 +10,7 @@ import numpy as np
 
 from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.numerics import _arr, _kl, _same, snap
+from harness.diagnose.identify.steps import _rows_of, steps, tolerance
 
 
 def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, ref_logps=None, spec=None, step=None,
@@ -263,3 +264,18 @@ def _unreached(ratio, a, clip_low: float | None, clip_high: float | None) -> tup
         out.append(f"no token's ratio reached the lower clip bound (the smallest with A < 0: {down.min():.4g}): any "
                    f"bound above {1 - down.min():.3g} fits, the spec's {clip_low:g} among them")
     return tuple(out)
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Your per-token objective at every step that saved its per-token loss, advantages, log-probs and mask (with
+    the sampler's log-probs where a separate sampler generated the rows)."""
+    spec, tol = cell.spec, tolerance(cell.spec)
+    found = []
+    for s in steps(cell):
+        t = s.tensors
+        if all(k in t for k in ("per_token_loss", "advantages", "logps", "mask")) and _rows_of(t["logps"],
+                                                                                              len(s.completions)):
+            found.append(objective(t["per_token_loss"], t["advantages"], t["logps"], t["mask"], s.lengths,
+                                   t.get("old_logps"), t.get("ref_logps"), spec, step=s.step, sampler_logps=s.sampled,
+                                   **tol))
+    return found

@@ -350,3 +350,14 @@ def _clip_setting(alike, norms, spec) -> float:
     if have and have > max(norms, default=0):
         return have
     return 0.0
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Adam from the parameter slices your loop probed (every step that saved one), where it logs each one's pre-clip
+    gradient norm: one finding for the run."""
+    mine, grad_norms = cell.tensors, cell.grad_norms()
+    probes = [mine[s]["probe"] for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
+    norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
+    if probes and all(isinstance(x, (int, float)) for x in norms):
+        return [optimizer(probes, norms, cell.spec, steps_total=cell.spec.STEPS)]
+    return []

@@ -9,6 +9,7 @@ import numpy as np
 
 from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.numerics import _arr
+from harness.diagnose.identify.steps import steps
 
 
 def rewards_stage(rewards, scores: dict[str, list], spec=None, step=None) -> Finding:
@@ -33,3 +34,17 @@ def rewards_stage(rewards, scores: dict[str, list], spec=None, step=None) -> Fin
                        same_as_spec=True, settles=("rewards.weights",))
     return Finding("rewards", step, f"your loop weighs the reward functions ({', '.join(scores)}) {w}",
                    {"rewards.weights": w}, True, settles=("rewards.weights",))
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Your rewards at every step that saved them, against the spec's reward functions' scores of the same
+    completions (your loop's rollouts file, cell.scores)."""
+    scores, found = cell.scores, []
+    if not scores:
+        return found
+    for s in steps(cell):
+        if "rewards" in s.tensors and all(r < len(scores) for r, _ in s.rows) and \
+                len(_arr(s.tensors["rewards"])) == len(s.rows):
+            found.append(rewards_stage(s.tensors["rewards"], {k: [scores[r][k][i] for r, i in s.rows] for k in scores[0]},
+                                       cell.spec, step=s.step))
+    return found

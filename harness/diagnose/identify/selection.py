@@ -79,3 +79,19 @@ def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group:
                    + ", ".join(words[1:]), {"SELECTION": path} if path else {}, True, unsettled=tuple(unsettled),
                    evidence={"steps": len(steps), "skipped_groups": len(skipped), "rule": rule},
                    settles=("SELECTION",))
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """The selection your loop saved (cell.trained), against TRL's: one finding for the run, or none without one."""
+    spec, records = cell.spec, cell.records
+    if not cell.trained:
+        return []
+    weights = [float(w) for w in spec.rewards.weights]
+    # each completion's total as TRL and the built-in loop sum it: a failed score counts 0, all failed is NaN
+    round_rewards = [[sum(w * v for w, v in zip(weights, col) if v is not None) if any(v is not None for v in col)
+                      else float("nan") for col in zip(*sc.values())] for sc in cell.scores] if cell.scores else None
+    eos = set(cell.eos_ids)
+    return [selection(cell.trained, [len(rec["completion_ids"]) for rec in records], spec.GROUP_SIZE,
+                      spec.NUM_ITERATIONS, round_rewards, [[len(c) for c in rec["completion_ids"]] for rec in records],
+                      [[not c or c[-1] not in eos for c in rec["completion_ids"]] for rec in records],
+                      cell.trained_path)]

@@ -3,12 +3,14 @@ per-token losses and mask, or a divisor of your own."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from harness.diagnose.identify.finding import Finding
-from harness.diagnose.identify.numerics import _same
+from harness.diagnose.identify.numerics import _kl, _same
+from harness.diagnose.identify.steps import _number, _rows_of, steps, tolerance
 
 
 def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, max_tokens: int, spec=None,
@@ -98,3 +100,54 @@ def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int
     return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by a constant {d:g} (no "
                    "count of its tokens or completions)", {"LOSS_DIVISOR": d}, True, unsettled=unsettled, evidence=ev,
                    settles=("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR"))
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """How your per-token losses become your loss at every step that saved them with its mask and loss. Where the
+    objective read a KL term at the same step (earlier["objective"]) and the loss fits no loss type, the loss is
+    read again without the KL term (a loop may log it apart, as verl does)."""
+    spec, tol = cell.spec, tolerance(cell.spec)
+    objectives = {f.step: f for f in earlier.get("objective", ())}
+    found = []
+    for s in steps(cell):
+        t, comps = s.tensors, s.completions
+        if not ("per_token_loss" in t and "mask" in t and "loss" in t and _rows_of(t["per_token_loss"], len(comps))):
+            continue
+        parts = t.get("micro_batches")  # your own micro-batches (a list of tensors): their number, where equal
+        ga = len(parts) if isinstance(parts, list) and len(set(parts)) == 1 and sum(parts) == len(comps) \
+            else getattr(spec, "GRAD_ACCUM", 1)
+        w = weighting(t["per_token_loss"], t["mask"], _number(t["loss"]), s.lengths, ga, spec.MAX_TOKENS, spec,
+                      step=s.step, **tol)
+        obj = objectives.get(s.step)
+        kl = (obj.evidence.get("kl") if obj is not None and obj.exact else None)
+        weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings  # (a constant divisor fits any one step)
+        if kl and weak:  # what it logs may leave the KL term out (verl logs it apart)
+            w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), s.lengths, ga, spec.MAX_TOKENS, spec,
+                           step=s.step, **tol)
+            if w2.exact and not w2.no_switch:
+                w = dataclasses.replace(w2, rule=w2.rule + "; what it logs as its loss leaves the KL term out "
+                                        "(logged otherwise than trained: not a difference in training)",
+                                        same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
+                                                                                "logged_without_kl": True})
+        per_micro_batch = w.exact and (w.settings.get("LOSS_NORM") == "token_local" or w.same_as_spec and
+                                       getattr(spec, "LOSS_NORM", "") == "token_local")
+        if ga != getattr(spec, "GRAD_ACCUM", 1) and per_micro_batch:  # your micro-batches, not the spec's count
+            w = dataclasses.replace(w, rule=f"{w.rule} (in {ga} micro-batches of {parts[0]}, as your loop cut "
+                                    "them)", settings={**w.settings, "GRAD_ACCUM": ga}, same_as_spec=False,
+                                    settles=w.settles + ("GRAD_ACCUM",) if w.settles else ())
+        found.append(w)
+    return found
+
+
+def _without_kl(t: dict, kl) -> list[list[float]]:
+    """Your per-token losses less the KL term the objective stage found (beta x estimator, with its ratio factor)."""
+    est, beta, factor = kl
+    out = []
+    for i, row in enumerate(t["per_token_loss"]):
+        lp, ref = np.asarray(t["logps"][i], dtype=np.float64), np.asarray(t["ref_logps"][i], dtype=np.float64)
+        n = min(len(row), len(lp), len(ref))
+        k = _kl(lp[:n], ref[:n], est)
+        if factor and t.get("old_logps") is not None:
+            k = k * np.exp(lp[:n] - np.asarray(t["old_logps"][i][:n], dtype=np.float64))
+        out.append((np.asarray(row[:n], dtype=np.float64) - beta * k).tolist())
+    return out
