@@ -1,4 +1,4 @@
-"""Each stage of a loop identified from its own tensors (harness/diagnose/identify.py), with the rule drawn at random:
+"""Each stage of a loop identified from its own tensors (harness/diagnose/identify/), with the rule drawn at random:
 the stage must name the rule and its value, and say what the run could not tell. The tensors are made here the way a
 loop makes them (float32 arithmetic, torch's own AdamW and clip_grad_norm_), never from the stage's own formulas."""
 
@@ -11,12 +11,19 @@ import pytest
 import torch
 
 from harness.diagnose import identify
+from harness.diagnose.cell import CellData
 
 SPEC = types.SimpleNamespace(ADV_SCALE="group", STD="bessel", STD_EPS=1e-4, STD_EPS_INSIDE=False, MASK_TRUNCATED=False,
                              COMPLETION_MASK="eos", LOSS_NORM="sequence", LOSS_SUM=False, BETA=0.0, KL_ESTIMATOR="k3",
                              KL_IS_CORRECTION=True, CLIP_LOW=0.2, CLIP_HIGH=0.2, LR=3e-3, LR_SCHEDULE="constant",
                              ADAM_BETA1=0.9, ADAM_BETA2=0.99, ADAM_EPS=1e-8, WEIGHT_DECAY=0.0, MAX_GRAD_NORM=1.0,
                              WEIGHT_DECAY_ALL=False, MICRO_BATCH_ORDER="shuffled")
+
+
+def _cell(mine: dict, rounds: list, spec, pad: int, chosen: dict | None = None) -> CellData:
+    """The cell `identify` reads: your tensors, the rounds' completions (eos id 2), no log, no scores."""
+    return CellData(spec=spec, records=tuple({"completion_ids": c} for c in rounds), tensors=mine, eos_ids=(2,),
+                    pad_id=pad, trained=chosen)
 
 
 def _rewards(rng: random.Random, groups: int, g: int) -> torch.Tensor:
@@ -413,7 +420,7 @@ def test_a_mask_rule_read_at_one_step_stands_where_other_steps_had_nothing_for_i
         mine[step] = {"mask": [[1 if t < len(c) and c[t] != pad else 0 for t in range(width)] for c in comps]}
     spec = types.SimpleNamespace(**vars(SPEC), STEPS_PER_GENERATION=1, NUM_ITERATIONS=1, GROUP_SIZE=4, MAX_TOKENS=8,
                                  DTYPE="float32", rewards=types.SimpleNamespace(weights=[1.0]))
-    found = identify.identify(mine, [{"completion_ids": c} for c in rounds], spec, [2], pad, {})
+    found = identify.identify(_cell(mine, rounds, spec, pad))
     m = next(f for f in found if f.stage == "mask")
     assert m.step == 1 and m.settings == {"MASK_TOKEN_ID": pad} and f"id {pad}" in m.rule, m
 
@@ -482,7 +489,7 @@ def test_micro_batches_are_read_from_the_list_your_loop_saved(tmp_path):
     comps = [[7] * n for n in lengths]
     spec = types.SimpleNamespace(**vars(SPEC), STEPS_PER_GENERATION=1, NUM_ITERATIONS=1, GROUP_SIZE=4, MAX_TOKENS=7,
                                  DTYPE="float32", GRAD_ACCUM=2, rewards=types.SimpleNamespace(weights=[1.0]))
-    w = next(f for f in identify.identify({1: t}, [{"completion_ids": comps}], spec, [2], 0, {}) if f.stage ==
+    w = next(f for f in identify.identify(_cell({1: t}, [comps], spec, 0)) if f.stage ==
              "weighting")
     assert w.settings == {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout", "GRAD_ACCUM": 4}, w
 
@@ -505,10 +512,10 @@ def test_a_reinforce_loop_over_a_split_round_takes_its_old_log_probs_at_every_st
         mine[step] = {"advantages": adv.tolist(), "logps": logp.tolist(), "mask": mask.tolist(),
                       "per_token_loss": (-logp * adv[:, None] * mask).tolist()}
     chosen = {1: [(0, i) for i in range(4)], 2: [(0, i) for i in range(4, 8)]}
-    found = identify.identify(mine, [{"completion_ids": comps}], spec, [2], 0, {}, chosen)
+    found = identify.identify(_cell(mine, [comps], spec, 0, chosen))
     obj = next(f for f in found if f.stage == "objective")
     assert obj.settings.get("LOGP_OLD") == "current" and "-logp * A" in obj.rule, obj
-    whole = identify.identify({1: mine[1]}, [{"completion_ids": comps}], spec, [2], 0, {}, {1: chosen[1]})
+    whole = identify.identify(_cell({1: mine[1]}, [comps], spec, 0, {1: chosen[1]}))
     assert "LOGP_OLD" not in next(f for f in whole if f.stage == "objective").settings  # one step per round: no need
 
 

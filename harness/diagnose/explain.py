@@ -1071,8 +1071,9 @@ def _loss_value_alone(search: Search, state: Trial) -> bool:
 
 
 def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
-    """Each stage of your loop read from its own tensors (identify.py): what the saved tensors allow, against the
-    built-in loop set up as TRL."""
+    """Each stage of your loop read from its own tensors (harness/diagnose/identify/): what the saved tensors allow,
+    against the built-in loop set up as TRL (the cell's spec)."""
+    from harness.diagnose.cell import CellData
     from harness.diagnose.tensordiff import chain_facts, round_scores
     from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
     from harness.runlog.tensors import TENSORS_FILE, TRAINED_FILE, read_tensors, read_trained
@@ -1082,14 +1083,15 @@ def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
     if not mine and not chosen:
         return []
     facts = chain_facts(base, records)
-    norms = {int(s): float(v) for s, v in yours["grad_norm"].dropna().items()} if "grad_norm" in yours.columns else {}
-    if not norms and any("probe" in t for t in mine.values()):
+    cell = CellData(spec=base, records=tuple(records), tensors=mine, eos_ids=tuple(facts["eos_ids"]),
+                    pad_id=facts.get("pad_id"), scores=tuple(round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE)),
+                    trained=chosen, trained_path=str((yours_dir / TRAINED_FILE).resolve()) if chosen else "",
+                    runs={"yours": yours})
+    if not cell.grad_norms() and any("probe" in t for t in mine.values()):
         log("    identify: your loop saved a parameter slice (Probe) but logs no grad_norm: the optimizer stage needs the "
             "pre-clip gradient norm of each step (log_step(step, grad_norm=...))")
-    scores = round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE) or None
     try:
-        found = identify.identify(mine, records, base, facts["eos_ids"], facts.get("pad_id"), norms, chosen,
-                                  str((yours_dir / TRAINED_FILE).resolve()) if chosen else "", scores)
+        found = identify.identify(cell)
     except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:  # tensors of another shape
         log(f"    identify: your tensors could not be read stage by stage ({type(e).__name__}: {str(e)[:120]})")
         return []

@@ -1,0 +1,290 @@
+"""The advantages stage: your advantages as a function of your own rewards, group by group: the centring (the
+group's mean, the batch's, none, or the mean of the group's other completions), the scale (none, a constant, the
+group's or the batch's std with its estimator and epsilon, solved in closed form) and a clip."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harness.diagnose.identify.finding import Finding
+from harness.diagnose.identify.numerics import _arr, _same, snap
+from harness.diagnose.identify.steps import steps
+
+
+def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
+    """Your advantages as a function of your own rewards (`_centred_on_a_mean`), and where no centring on a mean
+    fits, on the mean of the group's other completions (leave-one-out, `_leave_one_out`)."""
+    found = _centred_on_a_mean(rewards, adv, group, spec, rtol, atol, step)
+    if found.readable and group >= 2:
+        r, a = _arr(rewards), _arr(adv)
+        loo = _leave_one_out(r, a, group, spec, rtol, atol, step)
+        # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
+        # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely
+        if loo is not None and (not found.exact or found.no_switch
+                                or _misfit(r, a, group, spec, loo.settings) < _misfit(r, a, group, spec, found.settings)):
+            return loo
+    return found
+
+
+def _misfit(r, a, group: int, spec, settings: dict) -> float:
+    """The largest |A - predicted| / (|A| + 1e-6) of an advantage rule (the spec's fields, `settings` over them) on
+    your rewards: predicted by the built-in loop's own advantage function (scratch_grpo.core), in float64."""
+    import torch
+
+    from scratch_grpo.core import group_advantages
+
+    f = {"ADV_SCALE": "group", "STD": "bessel", "STD_EPS": 1e-4, "STD_EPS_INSIDE": False, "ADV_BASELINE": "group",
+         **({k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_BASELINE")
+             if hasattr(spec, k)} if spec else {}), **settings}
+    pred = group_advantages(torch.tensor(r, dtype=torch.float64), group, f["ADV_SCALE"], f["STD"], f["STD_EPS"],
+                            f["STD_EPS_INSIDE"], f["ADV_BASELINE"])[0].numpy()
+    return float(np.max(np.abs(a - pred) / (np.abs(a) + 1e-6)))
+
+
+def _leave_one_out(r, a, group: int, spec, rtol: float, atol: float, step) -> Finding | None:
+    """A_i = r_i - the mean of its group's other completions, not scaled, or divided by those others' std (Bessel's
+    or the population's) + an epsilon solved per element, a completion whose others are alike left undivided (as
+    NeMo-RL's leave-one-out baseline does). None where that does not give your advantages."""
+    if len(r) != len(a) or len(r) % group or np.isnan(r).any():
+        return None
+    g, n = r.reshape(-1, group), group - 1
+    total, squares = g.sum(1, keepdims=True), (g * g).sum(1, keepdims=True)
+    mean = ((total - g) / n).reshape(-1)
+    c = r - mean
+    tol = atol + rtol * np.abs(a)
+    if not np.any(np.abs(c) > 1e-7):
+        return None
+    spec_has = {k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE")} if spec else {}
+    rule = "centres each reward on the mean of its group's other completions (leave-one-out; TRL: the group's own mean)"
+    if np.all(np.abs(a - c) <= tol):
+        settings = {"ADV_BASELINE": "loo", "ADV_SCALE": "none"}
+        return Finding("advantages", step, f"your loop {rule} and does not divide by a std",
+                       {k: v for k, v in settings.items() if not (k in spec_has and _same(spec_has[k], v))}, True,
+                       settles=("ADV_BASELINE", "ADV_SCALE"))
+    for ddof, name in ((1, "bessel"), (0, "population")):
+        if n - ddof <= 0:
+            continue
+        m = (total - g) / n
+        var = (((squares - g * g) / n - m * m) * (n / (n - ddof))).reshape(-1)
+        sd = np.sqrt(np.clip(var, 0.0, None))
+        # where the others are alike the advantage is r_i - their mean, undivided; but a loop that takes their std
+        # from sums of squares in float32 (NeMo-RL) can leave a rounding residue there and divide by it: such an
+        # element is not read (either value is the rule's)
+        alike = sd <= 1e-6 * max(float(np.abs(r).max()), 1.0)
+        div = ~alike & (np.abs(c) > 1e-7)
+        if not np.any(div) or np.any(np.abs(a[div]) <= 1e-12):
+            continue
+        eps_i = c[div] / a[div] - sd[div]
+        unc = 10 * rtol * float(np.max(np.abs(c[div] / a[div]))) + 1e-12
+        if float(np.ptp(eps_i)) > 2 * unc:
+            continue
+        eps = snap(float(np.median(eps_i)), unc)
+        settings = {"ADV_BASELINE": "loo", "ADV_SCALE": "group", "STD": name, "STD_EPS": eps, "STD_EPS_INSIDE": False}
+        est = "population std (n)" if name == "population" else "Bessel's std (n - 1)"
+        unsettled = (f"the advantage epsilon is known to +-{unc:.1g} only ({eps:g} is the round value within that)",) \
+            if unc >= max(eps, 1e-12) / 20 else ()
+        return Finding("advantages", step, f"your loop {rule} and divides by those others' {est} + {eps:g}, not at "
+                       "all where they are alike",
+                       {k: v for k, v in settings.items() if not (k in spec_has and _same(spec_has[k], v))}, True,
+                       unsettled=unsettled, settles=("ADV_BASELINE", "ADV_SCALE", "STD") + (() if unsettled else
+                                                                                             ("STD_EPS",)))
+    return None
+
+
+def _centred_on_a_mean(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6,
+                       step=None) -> Finding:
+    """Your advantages as a function of your own rewards, group by group: the centring (the group's mean, the
+    batch's, none), the scale (none, a constant, the group's or the batch's std, Bessel's or the population's, plus
+    an epsilon outside or inside the square root, solved for in closed form: eps = (r - mean) / A - std), and a clip
+    of the advantages where some sit at one magnitude. `spec`: the built-in loop's current settings (ADV_SCALE, STD,
+    STD_EPS, STD_EPS_INSIDE), to say what differs."""
+    r, a = _arr(rewards), _arr(adv)
+    if len(r) != len(a) or len(r) == 0 or len(r) % group:
+        return Finding("advantages", step, f"cannot be read: {len(r)} rewards and {len(a)} advantages in groups of "
+                       f"{group}", {}, False, readable=False)
+    g = r.reshape(-1, group)
+    if not np.any(np.abs(a) > 1e-7) and np.all(np.nanstd(g, axis=1) == 0):  # every group's rewards alike
+        return Finding("advantages", step, "every advantage is 0 and every group's rewards are alike: nothing to read "
+                       "at this step", {}, False, readable=False)
+    centred = {"group": (g - np.nanmean(g, axis=1, keepdims=True)).reshape(-1), "batch": r - np.nanmean(r), "none": r}
+    tol = lambda x: atol + rtol * np.abs(x)  # noqa: E731
+    best = None
+    for centring, c in centred.items():
+        zero_c = np.abs(c) <= tol(r) + 1e-7
+        if not np.all(np.abs(a[zero_c]) <= tol(a[zero_c]) + 1e-6):
+            continue  # a reward at its centre must have advantage 0 (no offset)
+        live = ~zero_c & (np.abs(a) > 1e-7)
+        if not np.any(live):
+            if not np.any(~zero_c):
+                continue
+            best = best or (centring, None, "every advantage is 0")
+            continue
+        dead = ~zero_c & ~live
+        if np.any(dead):
+            continue  # a nonzero centred reward with advantage 0: not this centring
+        s = np.full(len(r), np.nan)
+        s[live] = c[live] / a[live]
+        if np.any(s[live] <= 0):
+            continue
+        clipped = np.zeros(len(r), bool)
+        mags = np.abs(a[live])
+        top = mags.max()
+        # advantages clipped at one magnitude: those at the top whose own scale is off the group's
+        scale_kind, fitted = _scale(s, live, clipped, group, rtol)
+        if scale_kind is None:
+            at_top = live & np.isclose(np.abs(a), top, rtol=1e-6)
+            scale_kind, fitted = _scale(s, live & ~at_top, at_top, group, rtol)
+            # a clip only lowers a magnitude: each value at the top must be at least the top unclipped
+            # (a group whose every live value is at the top has no scale of its own to check against: left out)
+            unclipped = [abs(c[i]) / (fitted if not isinstance(fitted, dict) else fitted[i // group])
+                         for i in np.flatnonzero(at_top) if not isinstance(fitted, dict) or i // group in fitted] \
+                if scale_kind is not None else []
+            if scale_kind is not None and unclipped and all(u >= top * (1 - 10 * rtol) for u in unclipped):
+                clipped = at_top
+            else:
+                scale_kind = None
+        if scale_kind is None:
+            continue
+        best = (centring, (scale_kind, fitted, clipped, top if clipped.any() else None), None)
+        break
+    if best is None:
+        return Finding("advantages", step, "not a centring and scaling of your rewards the stage knows (group, batch or "
+                       "no mean; a constant, group or batch scale)", {}, False, evidence={"rewards": r.tolist()[:8],
+                                                                                       "advantages": a.tolist()[:8]})
+    centring, scaled, empty = best
+    if scaled is None:
+        if np.any(np.nanstd(g, axis=1) > 0):  # rewards that differ within a group, every advantage 0
+            return Finding("advantages", step, "your loop's advantages are 0 where the rewards of a group differ: no "
+                           "centring and scaling the stage knows gives that", {}, False, no_switch=True)
+        return Finding("advantages", step, f"{empty}: the rewards of every group are equal, nothing to read", {},
+                       False, readable=False)
+    kind, fitted, clipped, top = scaled
+    return _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step)
+
+
+def _scale(s, live, clipped, group: int, rtol: float):
+    """('none' | 'constant' | 'group', value(s)) when the per-element scales s = centred / A are 1, one constant, or
+    one constant per group; None otherwise."""
+    use = live & ~clipped
+    if not np.any(use):
+        return None, None
+    vals = s[use]
+    spread = lambda v: (v.max() - v.min()) / max(abs(np.median(v)), 1e-30)  # noqa: E731
+    if spread(vals) <= 10 * rtol:
+        if abs(np.median(vals) - 1.0) <= 10 * rtol:
+            return "none", 1.0
+        return "constant", float(np.median(vals))
+    per_group = {}
+    for i in np.flatnonzero(use):
+        per_group.setdefault(i // group, []).append(s[i])
+    if all(spread(np.asarray(v)) <= 10 * rtol for v in per_group.values()):
+        return "group", {k: float(np.median(v)) for k, v in per_group.items()}
+    return None, None
+
+
+def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> Finding:
+    spec_has = {k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE")} if spec else {}
+    unsettled, settings, words, no_switch = [], {}, [], False
+    if centring == "batch":
+        words.append("centres the rewards on the batch's mean (TRL: each group's)")
+        no_switch = True
+    elif centring == "none":
+        words.append("uses the rewards without subtracting a mean (TRL: each group's)")
+        no_switch = True
+    else:
+        words.append("centres each group's rewards on its mean")
+    if kind == "none":
+        settings["ADV_SCALE"] = "none"
+        words.append("and does not divide by a std")
+        fit = {}
+    elif kind == "constant" and (fit := _std_fit({k: fitted for k in range(len(g)) if np.nanstd(g[k]) > 0},
+                                                 {k: g[k] for k in range(len(g))})):
+        kind = "group"  # one scale for every group, as each group's own std gives it (their stds are equal here)
+        settings["ADV_SCALE"] = "group"
+    elif kind == "constant":
+        flat = g.reshape(-1)
+        fit = _std_fit({0: fitted}, {0: flat})
+        if fit:
+            settings["ADV_SCALE"] = "batch"
+        else:
+            words.append(f"and divides by a constant {fitted:.4g} (no std of the rewards + an epsilon gives it)")
+            no_switch = True
+    else:
+        fit = _std_fit(fitted, {k: g[k] for k in fitted})
+        if fit:
+            settings["ADV_SCALE"] = "group"
+        else:
+            words.append("and divides each group by a factor of its own that no std + epsilon of its rewards gives")
+            no_switch = True
+    live_sd = [float(np.nanstd(g[k], ddof=1)) for k in range(len(g)) if np.nanstd(g[k]) > 0]
+    if fit and len(live_sd) > 1 and max(live_sd) - min(live_sd) <= 1e-9 * max(live_sd):
+        unsettled.append("every group's rewards have the same spread at this step: the group's std or the batch's, "
+                         "Bessel's or the population's, each with its own epsilon, fit alike")
+    elif fit and len(live_sd) == 1 and len(g) > 1:
+        unsettled.append("one group's rewards differ at this step: the group's std and the batch's cannot be told "
+                         "apart")
+    if fit:
+        std, inside, eps, unc = fit["std"], fit["inside"], fit["eps"], fit["unc"]
+        settings.update(STD=std, STD_EPS_INSIDE=inside, STD_EPS=eps)
+        where = "the batch's" if kind == "constant" else "the group's"
+        est = "population std (n)" if std == "population" else "Bessel's std (n - 1)"
+        words.append(f"and divides by {where} {est}" + (f" with {eps:g} inside the square root, sqrt(var + eps)"
+                                                        if inside else f" + {eps:g}"))
+        if unc > 0 and (eps == 0 or unc >= eps):
+            unsettled.append(f"the advantage epsilon is below {unc:.1g}: the run cannot tell {eps:g} from other "
+                             "values that small (the rewards' spread is too wide for it to show)")
+        elif unc > 0 and unc >= eps / 20:
+            unsettled.append(f"the advantage epsilon is known to +-{unc:.1g} only ({eps:g} is the round value within "
+                             "that)")
+    if clipped is not None and clipped.any():
+        words.append(f"then clips the advantages to [-{top:.4g}, {top:.4g}]")
+        no_switch = True
+    if spec_has:
+        settings = {k: v for k, v in settings.items() if k in spec_has and not _same(spec_has[k], v)}
+        if "STD_EPS" in settings and unsettled and abs(spec_has["STD_EPS"] - fit["eps"]) <= fit["unc"]:
+            settings.pop("STD_EPS")  # the spec's own epsilon is as good as any the run can tell apart
+    same = not settings and not no_switch
+    ambiguous = any(u.startswith(("every group's rewards", "one group's rewards")) for u in unsettled)
+    settles = () if ambiguous else ("ADV_SCALE", "STD", "STD_EPS_INSIDE") + (() if unsettled else ("STD_EPS",)) \
+        if fit or kind == "none" else ()
+    return Finding("advantages", step, "your loop " + " ".join(words), settings, True, same_as_spec=same,
+                   no_switch=no_switch, unsettled=tuple(unsettled), settles=settles if not no_switch else (),
+                   evidence={"centring": centring, "scale": kind, **({"eps_estimate": fit["raw"]} if fit else {})})
+
+
+def _std_fit(scales: dict, rewards: dict) -> dict | None:
+    """The std estimator and epsilon (outside or inside the square root) that give each group's measured scale from
+    its rewards: eps = scale - std (outside) or scale^2 - var (inside), the same for every group and not negative.
+    Returns the simplest fit ({std, inside, eps, unc, raw}) or None."""
+    fits = []
+    for std in ("bessel", "population"):
+        for inside in (False, True):
+            est = []
+            for k, sc in scales.items():
+                x = rewards[k][~np.isnan(rewards[k])]
+                if len(x) < 2:
+                    continue
+                sd = float(np.std(x, ddof=1 if std == "bessel" else 0))
+                est.append((sc * sc - sd * sd, sc * sc) if inside else (sc - sd, sc))
+            if not est:
+                continue
+            eps = np.array([e for e, _ in est])
+            # resolution: the scale is known to ~1e-6 relative (float32 arithmetic on your side)
+            unc = max(3e-6 * max(s for _, s in est), float(eps.max() - eps.min()) / 2)
+            centre = float(np.median(eps))
+            if eps.max() - eps.min() > max(6e-6 * max(s for _, s in est), 0.05 * abs(centre)):
+                continue  # not one epsilon for every group
+            if centre < -unc:
+                continue
+            fits.append({"std": std, "inside": inside, "eps": snap(max(centre, 0.0), unc), "unc": unc,
+                         "raw": centre, "spread": float(eps.max() - eps.min())})
+    if not fits:
+        return None
+    # the simplest: the epsilon outside the root before inside, Bessel's (TRL's) before the population's
+    return sorted(fits, key=lambda f: (f["inside"], f["spread"] > f["unc"], f["std"] != "bessel"))[0]
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Your advantages at every step that saved them with its rewards, its rows whole groups."""
+    return [advantages(s.tensors["rewards"], s.tensors["advantages"], cell.spec.GROUP_SIZE, cell.spec, step=s.step)
+            for s in steps(cell) if "rewards" in s.tensors and "advantages" in s.tensors and s.whole]

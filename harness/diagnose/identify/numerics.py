@@ -1,0 +1,75 @@
+"""The numbers the stage readings share: snapping a measured value to a round one within the run's resolution,
+comparing a reading with the spec's value, the KL estimators, the golden-section search that narrows a fitted value,
+the margin within which two hypotheses fit alike, and the floor the weights' float32 rounding leaves."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _arr(value) -> np.ndarray:
+    return np.asarray(value, dtype=np.float64).reshape(-1)
+
+
+# round values a measured setting snaps to when it is within the run's resolution of one
+_NICE_EPS = (1e-8, 0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-7, 1e-10, 1e-12)
+
+
+def snap(value: float, unc: float, nice=_NICE_EPS) -> float:
+    """The first round value within `unc` of `value` (the commonest choices first), else `value` to 3 digits."""
+    for v in nice:
+        if abs(v - value) <= unc:
+            return v
+    return float(f"{value:.3g}")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-15)
+    return a == b
+
+
+def _kl(logp, ref, estimator: str):
+    d = ref - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return np.exp(d) - d - 1.0
+
+
+def _refine(f, x0: float, lo: float, hi: float, iters: int = 40, bracket: bool = True) -> float:
+    """Golden-section search of f on log(x) in [lo, hi] (with `bracket`, only x0 / 10 .. x0 * 10 of it); x0 unless
+    something better is found."""
+    a, b = (math.log(max(lo, x0 / 10)), math.log(min(hi, x0 * 10))) if bracket else (math.log(lo), math.log(hi))
+    gr = (math.sqrt(5) - 1) / 2
+    c, d = b - gr * (b - a), a + gr * (b - a)
+    fc, fd = f(math.exp(c)), f(math.exp(d))
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - gr * (b - a)
+            fc = f(math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + gr * (b - a)
+            fd = f(math.exp(d))
+    best = math.exp((a + b) / 2)
+    return best if f(best) <= f(x0) else x0
+
+
+def _alike(n: int) -> float:
+    """How far above the best relative residual another hypothesis may fit and still be alike, for a fit over n
+    elements: 3 standard deviations of a chi-square's relative spread (sqrt(2 / n)) on the squared residual, at least
+    2% of it."""
+    return math.sqrt(1 + max(3 * math.sqrt(2 / max(n, 1)), 0.02))
+
+
+def _rounding(after, updates) -> float:
+    """The relative residual the weights' float32 rounding alone leaves: each stored weight is within half an ulp of
+    its exact value (uniform: ulp^2 / 12)."""
+    noise = sum(float(np.sum(np.spacing(np.abs(a).astype(np.float32)).astype(np.float64) ** 2)) / 12 for a in after)
+    total = sum(float(np.sum(u ** 2)) for u in updates)
+    return math.sqrt(noise / total) if total > 0 else 0.0

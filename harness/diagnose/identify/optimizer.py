@@ -1,0 +1,363 @@
+"""The optimizer stage: Adam(W) from the parameter slice your loop saved (harness.loop.Probe) and its pre-clip
+gradient norms: learning rate per step and schedule, betas, epsilon, weight decay, gradient clipping, or parameter
+groups with settings of their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from harness.diagnose.identify.finding import Finding
+from harness.diagnose.identify.numerics import _alike, _refine, _rounding, _same, snap
+
+_BETA1 = (0.9, 0.0, 0.5, 0.8, 0.95, 0.99)
+_BETA2 = (0.999, 0.99, 0.98, 0.95, 0.9, 0.9999, 0.5)
+_ADAM_EPS = (1e-8, 1e-6, 1e-5, 1e-7, 1e-4, 1e-10)
+
+
+def _adam_dirs(grads, norms, beta1, beta2, eps, max_norm):
+    """Adam's update direction m_hat / (sqrt(v_hat) + eps) at each step, for gradients clipped as
+    clip_grad_norm_ clips them (coefficient max_norm / (norm + 1e-6), at most 1)."""
+    m = np.zeros_like(grads[0])
+    v = np.zeros_like(grads[0])
+    out = []
+    for t, (g, nrm) in enumerate(zip(grads, norms), 1):
+        c = 1.0 if not max_norm or not math.isfinite(max_norm) else min(1.0, max_norm / (nrm + 1e-6))
+        g = g * c
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        out.append((m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps))
+    return out
+
+
+def _fit_updates(dirs, before, updates, decay, with_se: bool = False):
+    """Per step, least squares u = -lr d - lr wd p (p on the decayed elements only): (lrs, wds, relative residual),
+    and with `with_se` the standard error of each step's wd (the weights' own rounding makes the update's noise: a
+    decay of lr x wd x p is a few ulps of p)."""
+    lrs, wds, ses, res, tot = [], [], [], 0.0, 0.0
+    rest = ~decay
+    for d, p, u in zip(dirs, before, updates):
+        # a decay of its own on the norms and biases too (a column of theirs): torch's AdamW on model.parameters()
+        cols = [-d] + ([-p * decay] if decay.any() else []) + ([-p * rest] if rest.any() else [])
+        if not np.any(d):  # no gradient at this step (every advantage 0): decay alone moves the weights, and the
+            x = np.stack(cols[1:], axis=1) if len(cols) > 1 else np.zeros((len(u), 1))  # rate cannot be read
+            coef, *_ = np.linalg.lstsq(x, u, rcond=None)
+            res += float(np.sum((x @ coef - u) ** 2))
+            tot += float(np.sum(u ** 2))
+            lrs.append(None)
+            wds.append(None)
+            continue
+        x = np.stack(cols, axis=1)
+        coef, *_ = np.linalg.lstsq(x, u, rcond=None)
+        lr = float(coef[0])
+        wd = float(coef[1] / lr) if decay.any() and lr else 0.0
+        rss = float(np.sum((x @ coef - u) ** 2))
+        res += rss
+        tot += float(np.sum(u ** 2))
+        lrs.append(lr)
+        wds.append(wd)
+        if with_se and decay.any() and lr:
+            cov = np.linalg.pinv(x.T @ x) * rss / max(len(u) - x.shape[1], 1)
+            ses.append(math.sqrt(max(float(cov[1, 1]), 0.0)) / abs(lr))
+            if rest.any():  # the norms' and biases' own decay, and its standard error
+                ses[-1] = (ses[-1], float(coef[-1] / lr), math.sqrt(max(float(cov[-1, -1]), 0.0)) / abs(lr))
+    out = (lrs, wds, math.sqrt(res / max(tot, 1e-300)))
+    return (*out, ses) if with_se else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probed:
+    """The probed steps Adam took, each step's values flat in float64 (tensors with no gradient at any step left
+    out, and steps after the last with a gradient)."""
+    names: list  # the probed tensors' names
+    sizes: list  # each probed tensor's length
+    before: list  # per step: the weights before it
+    after: list  # per step: the weights after it
+    grads: list  # per step: the gradient before clipping
+    updates: list  # per step: after - before
+    decay: np.ndarray  # the elements a weight decay applies to (not the norms', not the biases')
+    norms: list  # per step: the pre-clip gradient norm
+
+
+def _probed(probe_rows: list[dict], grad_norms: list[float]) -> _Probed | Finding:
+    """Your loop's probed steps as `_Probed`, or a Finding saying why they cannot be read."""
+    rows = [r for r in probe_rows if r]
+    if len(rows) < 2 or len(grad_norms) < len(rows):
+        return Finding("optimizer", None, f"cannot be read: {len(rows)} probed step(s) with gradient norms (at least 2 "
+                       "are needed to tell Adam's betas)", {}, False, readable=False)
+    never = {j for j in range(len(rows[0]["names"])) if all(r["grad"][j] is None for r in rows)}
+    if never:  # parameters outside the loss's graph: they have no gradient and Adam leaves them be
+        rows = [{k: [x for j, x in enumerate(v) if j not in never] for k, v in r.items()} for r in rows]
+    names = rows[0]["names"]
+    before = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["before"]]) for r in rows]
+    after = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["after"]]) for r in rows]
+    if any(g is None for r in rows for g in r["grad"]):  # a step whose backward was skipped: Adam did not step there
+        keep = [i for i, r in enumerate(rows) if all(g is not None for g in r["grad"])]
+        if any(i != j for i, j in zip(keep, range(len(keep)))):  # (only a skip at the end leaves Adam's count as read)
+            return Finding("optimizer", None, "cannot be read: a probed step before others had no gradient at all (a "
+                           "skipped backward), so Adam's step count there is not known", {}, False, readable=False)
+        rows, grad_norms = [rows[i] for i in keep], [grad_norms[i] for i in keep]
+        before = before[:len(keep)]
+        after = after[:len(keep)]
+        if len(rows) < 2:
+            return Finding("optimizer", None, "cannot be read: fewer than 2 probed steps with a gradient", {}, False,
+                           readable=False)
+    grads = [np.concatenate([np.asarray(x, dtype=np.float64) for x in r["grad"]]) for r in rows]
+    decay = np.concatenate([np.full(len(x), not ("bias" in n or "norm" in n.lower()))
+                            for n, x in zip(names, rows[0]["before"])])
+    return _Probed(names=names, sizes=[len(x) for x in rows[0]["before"]], before=before, after=after, grads=grads,
+                   updates=[a - b for a, b in zip(after, before)], decay=decay,
+                   norms=[float(x) for x in grad_norms[:len(rows)]])
+
+
+def _score(p: _Probed, b1: float, b2: float, eps: float, clip: float) -> tuple:
+    """The per-step fit (lrs, wds, relative residual) of Adam with these betas, epsilon and clipping threshold."""
+    dirs = _adam_dirs(p.grads, p.norms, b1, b2, eps, clip)
+    return _fit_updates(dirs, p.before, p.updates, p.decay)
+
+
+def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_total: int | None = None) -> Finding:
+    """Adam(W) from the parameter slice your loop saved (`harness.loop.Probe`: before and after each optimizer step,
+    with the gradient before clipping) and its pre-clip gradient norms: for each (beta1, beta2, eps, max_grad_norm)
+    the updates are fitted per step in closed form as u = -lr d - lr wd p, and the hypothesis with the smallest
+    residual wins; then each value is narrowed on its own and snapped to a round one the run cannot tell from it."""
+    p = _probed(probe_rows, grad_norms)
+    if isinstance(p, Finding):
+        return p
+    finite = [x for x in p.norms if math.isfinite(x) and x > 0]
+    clips = [math.inf] + sorted({float(f"{x:.3g}") for x in
+                                 (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, *(m * f for m in finite for f in (0.5, 0.9, 1.1)))})
+    b1, b2, eps, clip = _grid_fit(p, clips, finite)
+    lrs, wds, res = _score(p, b1, b2, eps, clip)
+    # what the run can tell: values whose residual stays within the fit's own noise of the best are alike; of those
+    # the round value the commonest first (the grids' order), else the fitted value. The residual of a right
+    # hypothesis is the weights' float32 rounding (an update of lr x O(1) is a few ulps of a weight), so a wrong
+    # beta2 that a per-step rate half absorbs shows as a small excess over many elements: the margin shrinks with
+    # their number (3 standard deviations of a chi-square's relative spread, at least 2% of the squared residual)
+    n = sum(len(u) for u in p.updates)
+    floor = max(res * _alike(n), 1e-6)
+    (b1, b2, eps, clip), (alike_b1, alike_b2, alike_eps, alike_clip) = _look_alikes(p, b1, b2, eps, clip, clips,
+                                                                                    floor, spec)
+    lrs, wds, res = _score(p, b1, b2, eps, clip)
+    rounding = _rounding(p.after, p.updates)
+    exact = res < max(1e-3, 1.5 * rounding)  # (no rule fits better than the weights' own rounding)
+    if not exact:  # one Adam for every parameter does not fit: parameter groups, each with settings of its own?
+        groups = _parameter_groups(p.names, p.sizes, p.grads, p.before, p.updates, p.decay, p.norms, clip)
+        if groups:
+            said = "; ".join(f"lr {lr:.4g} with betas ({g1:g}, {g2:g}) on {', '.join(ns[:3])}"
+                             + (f" and {len(ns) - 3} more" if len(ns) > 3 else "") for lr, g1, g2, ns in groups)
+            return Finding("optimizer", None, "your loop steps its parameters in groups, each with its own Adam "
+                           f"settings ({said}): the built-in loop and TRL step every parameter alike", {}, True,
+                           no_switch=True, evidence={"residual": res, "groups": [list(g) for g in groups]})
+    known = [(t, x) for t, x in enumerate(lrs) if x is not None]  # (a step with no gradient says no rate)
+    if not known:
+        return Finding("optimizer", None, "cannot be read: no probed step had a gradient (every advantage 0)", {},
+                       False, readable=False)
+    settings, words, unsettled = _learning_rate(known, res, steps_total)
+    settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
+    words.append(f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}")
+    for what, alike in (("Adam's beta1", alike_b1), ("Adam's beta2", alike_b2)):
+        if len(alike) > 1:
+            unsettled.append(f"{what}: {', '.join(f'{x:g}' for x in alike)} fit the probed steps alike")
+    if len(alike_eps) > 1:
+        unsettled.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above "
+                         "it)")
+    wds = [w for w in wds if w is not None]
+    for part in (_weight_decay(p, b1, b2, eps, clip, wds), _clipping(clip, alike_clip, finite, spec)):
+        settings.update(part[0])
+        words += part[1]
+        unsettled += part[2]
+    if spec:
+        has = {k: getattr(spec, k) for k in settings}
+        settings = {k: v for k, v in settings.items() if not _same(has[k], v)
+                    and not (k == "MAX_GRAD_NORM" and not v and not has[k])}
+    settles = _optimizer_settles(len(known) == len(lrs) and len(known) >= 2, alike_b1, alike_b2, alike_eps, unsettled)
+    if any(u.startswith("the learning rate per step") for u in unsettled):
+        settings.pop("LR_SCHEDULE", None)
+    return Finding("optimizer", None, "your loop " + " ".join(words), settings, exact,
+                   same_as_spec=not settings, unsettled=tuple(unsettled), settles=settles if exact else (),
+                   evidence={"residual": res, "lrs": lrs, "weight_decays": wds})
+
+
+def _grid_fit(p: _Probed, clips: list, finite: list) -> tuple:
+    """(beta1, beta2, eps, clip) of the smallest residual: every (beta1, beta2, threshold) on the grid (a wrong
+    threshold skews the betas' fit), then two rounds of coordinate refinement: clip, eps, then the betas on finer
+    grids."""
+    best = None
+    for clip in clips:
+        for b1 in _BETA1:
+            for b2 in _BETA2:
+                res = _score(p, b1, b2, 1e-8, clip)[2]
+                if best is None or res < best[0]:
+                    best = (res, b1, b2, 1e-8, clip)
+    _res, b1, b2, eps, clip = best
+    for _ in range(2):
+        clip = min(clips, key=lambda c: _score(p, b1, b2, eps, c)[2])
+        if math.isfinite(clip):  # narrowed between the norms around it (the clipped steps stay the same there)
+            lo = max([x for x in finite if x < clip], default=clip / 4)
+            hi = min([x for x in finite if x > clip], default=clip * 4)
+            clip = _refine(lambda c: _score(p, b1, b2, eps, c)[2], clip, lo, hi, bracket=False)
+        eps = min(_ADAM_EPS, key=lambda e: _score(p, b1, b2, e, clip)[2])
+        b2 = _refine(lambda x: _score(p, b1, 1 - x, eps, clip)[2], 1 - b2, 1e-5, 0.6)
+        b2 = 1 - b2
+        b1 = min(_BETA1, key=lambda x: _score(p, x, b2, eps, clip)[2])
+    return b1, b2, eps, clip
+
+
+def _look_alikes(p: _Probed, b1, b2, eps, clip, clips: list, floor: float, spec) -> tuple:
+    """The values of each setting that fit within `floor` of the best, one setting at a time, and the value kept:
+    of values alike, the spec's own (nothing to name), else the grid's commonest; a round threshold the run cannot
+    tell from the fitted one. ((b1, b2, eps, clip), (alike b1s, alike b2s, alike epsilons, alike thresholds))."""
+    prefer = lambda alike, own: own if own in alike else alike[0]  # noqa: E731
+    alike_b1 = [x for x in _BETA1 if _score(p, x, b2, eps, clip)[2] <= floor]
+    b1 = prefer(alike_b1, getattr(spec, "ADAM_BETA1", None)) if alike_b1 else b1
+    alike_b2 = [x for x in _BETA2 if _score(p, b1, x, eps, clip)[2] <= floor]
+    b2 = prefer(alike_b2, getattr(spec, "ADAM_BETA2", None)) if alike_b2 else float(f"{b2:.4g}")
+    alike_eps = [e for e in _ADAM_EPS if _score(p, b1, b2, e, clip)[2] <= floor]
+    eps = prefer(alike_eps, getattr(spec, "ADAM_EPS", None)) if alike_eps else eps
+    alike_clip = sorted({clip, *(c for c in clips if _score(p, b1, b2, eps, c)[2] <= floor)})
+    nice = [c for c in (1.0, 0.5, 0.2, 0.1, 2.0, 5.0) if c in alike_clip]
+    clip = nice[0] if nice and math.isfinite(clip) else clip  # a round threshold the run cannot tell from the fit
+    return (b1, b2, eps, clip), (alike_b1, alike_b2, alike_eps, alike_clip)
+
+
+def _learning_rate(known: list, res: float, steps_total: int | None) -> tuple[dict, list, list]:
+    """The rate from each step's reading (`known`: (step index, rate)) and its schedule: (settings, words,
+    unsettled)."""
+    settings, unsettled = {}, []
+    lr_tol = max(1e-3, 2 * res)  # each step's rate carries the fit's own noise
+    middle = float(np.median([x for _, x in known]))  # a constant rate: the middle of the steps' noisy readings
+    lr = middle if all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known) else max(x for _, x in known)
+    peak = float(f"{lr:.4g}")
+    settings["LR"] = peak
+    sched = "constant"
+    if steps_total and len(known) >= 2 and not all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known):
+        if all(math.isclose(x, peak * (1 - t / steps_total), rel_tol=lr_tol) for t, x in known):
+            sched = "linear"
+        else:
+            unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") follows "
+                             "neither a constant nor a linear-to-0 schedule")
+    elif len(known) < 2:
+        unsettled.append(f"the learning rate was read at {len(known)} step(s) only (the others had no gradient): its "
+                         "schedule cannot be told")
+    settings["LR_SCHEDULE"] = sched
+    return settings, [f"steps Adam at a learning rate of {peak:g} ({sched})"], unsettled
+
+
+def _weight_decay(p: _Probed, b1, b2, eps, clip, wds: list) -> tuple[dict, list, list]:
+    """The decoupled weight decay from each step's reading (`wds`) and its standard error, and whether the norms and
+    biases decay too: (settings, words, unsettled)."""
+    settings, words, unsettled = {}, [], []
+    ses = _fit_updates(_adam_dirs(p.grads, p.norms, b1, b2, eps, clip), p.before, p.updates, p.decay, with_se=True)[3]
+    rest_wd = [x[1:] for x in ses if isinstance(x, tuple)]
+    ses = [x[0] if isinstance(x, tuple) else x for x in ses]
+    wd = float(np.mean(wds)) if p.decay.any() and wds else 0.0
+    wd_unc = 4 * (math.sqrt(sum(x * x for x in ses)) / len(ses) if ses else 0.0) + (float(np.ptp(wds)) / 2 if wds
+                                                                                     else 0.0)
+    wd = snap(wd, max(wd_unc, 1e-3 * abs(wd), 1e-6), (0.0, 0.01, 0.1, 0.001, 0.05, 0.02))
+    if wd_unc > 0.5 * max(abs(wd), 1e-12) and wd_unc > 1e-4:
+        unsettled.append(f"weight decay is known to about +-{wd_unc:.1g} only (at this learning rate a decay moves "
+                         "weights by a few of their rounding steps)")
+    settings["WEIGHT_DECAY"] = wd
+    if rest_wd and wd:  # the norms and biases decayed too, at the same rate?
+        w_rest = float(np.mean([w for w, _ in rest_wd]))
+        se_rest = 4 * math.sqrt(sum(s * s for _, s in rest_wd)) / len(rest_wd)
+        if abs(w_rest - wd) <= max(math.hypot(se_rest, wd_unc), 0.05 * wd) and abs(w_rest) > se_rest:
+            settings["WEIGHT_DECAY_ALL"] = True
+            words.append("on every parameter, norms and biases too (transformers' Trainer, so TRL, leaves them out)")
+        elif abs(w_rest) > se_rest:
+            unsettled.append(f"the norms and biases decay at {w_rest:.3g}, neither 0 nor the weights' {wd:g}")
+    if wd:
+        words.append(f"decoupled weight decay {wd:g}")
+    return settings, words, unsettled
+
+
+def _clipping(clip: float, alike_clip: list, finite: list, spec) -> tuple[dict, list, list]:
+    """The gradient clipping read (`clip`: the threshold fitted, inf for none): (settings, words, unsettled)."""
+    settings, words, unsettled = {}, [], []
+    if math.isinf(clip):
+        settings["MAX_GRAD_NORM"] = _clip_setting(alike_clip, finite, spec)
+        if settings["MAX_GRAD_NORM"]:
+            unsettled.append(f"no probed step's gradient norm (the largest {max(finite, default=0.0):.4g}) reached a "
+                             "clipping "
+                             f"threshold: max_grad_norm {settings['MAX_GRAD_NORM']:g} or none cannot be told apart")
+        else:
+            words.append("without gradient clipping")
+    else:
+        settings["MAX_GRAD_NORM"] = float(f"{clip:.3g}")
+        words.append(f"clipping the gradient norm at {clip:g}")
+        below = [c for c in alike_clip if math.isfinite(c)]
+        if len(below) > 1 and max(below) > 1.01 * min(below):
+            unsettled.append(f"max_grad_norm between {min(below):g} and {max(below):g} fits alike (Adam all but "
+                             "cancels a clipped gradient's scale)")
+    return settings, words, unsettled
+
+
+def _optimizer_settles(every_rate: bool, alike_b1, alike_b2, alike_eps, unsettled: list) -> tuple:
+    """The fields the reading settles: the rate where every probed step read one and they follow a schedule
+    (`every_rate`: every step read a rate, at least 2); a field with look-alikes, or left unsettled, is not."""
+    settles = ("LR", "LR_SCHEDULE") if every_rate else ()
+    settles += () if len(alike_b1) > 1 else ("ADAM_BETA1",)
+    settles += () if len(alike_b2) > 1 else ("ADAM_BETA2",)
+    settles += () if len(alike_eps) > 1 else ("ADAM_EPS",)
+    settles += () if any(u.startswith("weight decay") for u in unsettled) else ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL")
+    settles += () if any("max_grad_norm" in u for u in unsettled) else ("MAX_GRAD_NORM",)
+    if any(u.startswith("the learning rate per step") for u in unsettled):
+        settles = tuple(k for k in settles if k not in ("LR", "LR_SCHEDULE"))
+    return settles
+
+
+def _parameter_groups(names, sizes, grads, before, updates, decay, norms, clip) -> list[tuple] | None:
+    """Each probed tensor fitted on its own (Adam's betas on the grid, a rate per step): [(lr, beta1, beta2, names)]
+    for each group of tensors stepped alike, where every tensor fits on its own and the groups' rates or betas differ
+    (nanochat's AdamW groups: an embedding at 35x the rate of the rest, betas of their own); else None."""
+    bounds = np.cumsum([0, *sizes])
+    fits = []
+    for j, name in enumerate(names):
+        cut = slice(bounds[j], bounds[j + 1])
+        g = [x[cut] for x in grads]
+        if not any(np.any(x) for x in g):
+            continue
+        p, u, dec = [x[cut] for x in before], [x[cut] for x in updates], decay[cut]
+        best = None
+        for c in {math.inf, clip}:  # (the clip one Adam for all read may be the misfit's)
+            for b1 in _BETA1:
+                for b2 in _BETA2:
+                    lrs, _wds, res = _fit_updates(_adam_dirs(g, norms, b1, b2, 1e-8, c), p, u, dec)
+                    if best is None or res < best[0]:
+                        best = (res, b1, b2, lrs)
+        res, b1, b2, lrs = best
+        if res > max(1e-2, 1.5 * _rounding(p, u)):
+            return None  # a tensor no Adam fits on its own either (to 1%): not parameter groups
+        known = [x for x in lrs if x is not None]
+        fits.append((float(np.median(known)), b1, b2, name))
+    groups: list[list] = []
+    for lr, b1, b2, name in sorted(fits, key=lambda f: -f[0]):
+        for grp in groups:
+            if math.isclose(lr, grp[0], rel_tol=0.05) and (b1, b2) == (grp[1], grp[2]):
+                grp[3].append(name)
+                break
+        else:
+            groups.append([lr, b1, b2, [name]])
+    return [tuple(x) for x in groups] if len(groups) > 1 else None
+
+
+def _clip_setting(alike, norms, spec) -> float:
+    """No step clipped: keep the spec's threshold where it is above every norm seen, else none (0)."""
+    have = float(getattr(spec, "MAX_GRAD_NORM", 0.0)) if spec else 0.0
+    if have and have > max(norms, default=0):
+        return have
+    return 0.0
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Adam from the parameter slices your loop probed (every step that saved one), where it logs each one's pre-clip
+    gradient norm: one finding for the run."""
+    mine, grad_norms = cell.tensors, cell.grad_norms()
+    probes = [mine[s]["probe"] for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
+    norms = [grad_norms.get(s) for s in sorted(mine) if isinstance(mine[s].get("probe"), dict)]
+    if probes and all(isinstance(x, (int, float)) for x in norms):
+        return [optimizer(probes, norms, cell.spec, steps_total=cell.spec.STEPS)]
+    return []
