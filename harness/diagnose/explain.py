@@ -46,10 +46,10 @@ from pathlib import Path
 
 from harness.diagnose import float32, identify, noise
 from harness.diagnose.compare import steps_logged_words
-from harness.diagnose.fields import LOOK_ALIKE, toml_value, words
+from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.search import Search, Trial, _same, _with, trl_moves
-from harness.diagnose.tensordiff import CLIP_NORMS, words as tensor_words
+from harness.diagnose.tensordiff import words as tensor_words
 from harness.runlog.atomic import atomic_write_text
 from trl_runner.translate import NORM_OF_LOSS_TYPE
 

@@ -25,6 +25,7 @@ import re
 import textwrap
 from pathlib import Path
 
+from harness.diagnose.fields import FIELDS, QUIRKS
 from harness.experiment.models import existing_checkpoint_dir
 from trl_runner.translate import NORM_OF_LOSS_TYPE, Translation, translate
 
@@ -64,59 +65,6 @@ def _scratch_lr_name(spec) -> str:
     if spec.LR_SCHEDULE == "linear":
         return "linear"
     return "constant_with_warmup" if spec.WARMUP_STEPS else "constant"
-
-
-# spec field -> (what TRL always does, the quantity's name, what the scratch loop does instead, in words)
-QUIRKS = {
-    "COMPLETION_MASK": ("eos", "completion tokens the loss counts", {
-        "no_eos": "leaves the eos token out of the loss; TRL counts it and has no option to drop it",
-        "all": "counts the padding after short completions in the loss; TRL masks it and has no option to count it"}),
-    "EOS_ATTENTION": ("attend", "eos tokens in attention", {
-        "mask": "masks every eos (the prompt's too) out of attention, positions counting only attended tokens (pad = "
-                "eos); TRL attends to them and has no option not to"}),
-    "EMPTY_SKIP": (False, "micro-batch skipped for an empty completion", {
-        True: "skips a micro-batch holding a completion with no loss token (NaN mean); TRL counts that completion as "
-              "0 and has no option to skip"}),
-    "LOGP_ON_RAW_LOGITS": (False, "log-probs on raw logits", {
-        True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option not to"}),
-    "KL_ESTIMATOR": ("k3", "KL estimator", {
-        "k1": "estimates the KL with k1 (logp - ref); TRL uses k3 and has no option for another",
-        "k2": "estimates the KL with k2 ((logp - ref)^2 / 2); TRL uses k3 and has no option for another"}),
-    "KL_IN_REWARD": (False, "KL penalty in the reward", {
-        True: "puts the KL penalty in the reward; TRL adds it to the loss and has no option to move it"}),
-    "ADV_BASELINE": ("group", "advantage baseline", {
-        "loo": "centres each reward on the mean of its group's other completions (leave-one-out); TRL centres on the "
-               "group's own mean and has no option for another"}),
-    "STD_EPS_INSIDE": (False, "std epsilon inside the square root", {
-        True: "divides by sqrt(var + eps); TRL divides by std + eps and has no option for the other"}),
-    "SELECTION": ("", "completions each step trains on", {
-        "*": "trains each step on the completions a file names (a loop's own selection); TRL trains each step on "
-             "its share of one round and has no option to choose"}),
-    "MICRO_BATCH_ORDER": ("shuffled", "micro-batches cut from", {
-        "rollout": "cuts each round into micro-batches in the rollout's order; TRL shuffles the round first and has no "
-                   "option not to"}),
-    "WEIGHT_DECAY_ALL": (False, "weight decay on norms and biases", {
-        True: "decays norms and biases too; TRL (transformers' Trainer) leaves them out and has no option not to"}),
-    "LOSS_DIVISOR": (0.0, "loss's constant divisor", {
-        "*": "divides the step's masked per-token losses' sum by a constant; no TRL loss_type does that"}),
-    "LOSS_SUM": (False, "loss summed, not averaged", {
-        True: "sums the per-token losses without normalising; no TRL loss_type does that"}),
-    "MASK_TOKEN_ID": (-1, "token id left out of the loss", {
-        "*": "leaves every completion token with one id out of the loss, wherever it stands (a mask built from "
-             "`ids != pad_id`); TRL masks only after the eos and has no option for it"}),
-    "MASK_TOKEN_DROP": (False, "masked token dropped from the sequence", {
-        True: "takes that token out of the sequence the model sees (packing without pad tokens); TRL feeds every "
-              "generated token and has no option not to"}),
-    "LR_STEPS": ([], "learning rate per optimizer step", {
-        "*": "follows a learning-rate schedule of its own, one rate per step; TRL's are named schedules over the "
-             "run's steps (lr_scheduler_type, warmup_steps) and it has no option for another"}),
-    "LOGP_OLD": ("auto", "old log-probs of a round trained over several steps", {
-        "current": "takes the current log-probs, detached, as the old ones at every step (the ratio always 1); TRL "
-                   "keeps a round's generation-time log-probs over its steps and has no option not to"}),
-    "REWARD_CLIP": (0.0, "reward clipped to +-", {
-        "*": "clips the summed reward; TRL uses the reward functions' sum as it is (clip inside your reward function "
-             "to match)"}),
-}
 
 
 def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, dict]:
@@ -186,8 +134,9 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
         q[name] = (s_val, t_val, (spec_key, trl_field), f"other:{trl_field}", trl_override(trl_field))
 
     other("advantage scaling", spec.ADV_SCALE, kw["scale_rewards"], "scale_rewards", "ADV_SCALE")
-    q["std estimator"] = (spec.STD, "bessel", ("STD",), "other:STD", {"set": {"STD": "bessel"}})
-    q["std epsilon"] = (spec.STD_EPS, 1e-4, ("STD_EPS",), "other:STD_EPS", {"set": {"STD_EPS": 1e-4}})
+    for key, name in (("STD", "std estimator"), ("STD_EPS", "std epsilon")):  # quirks TRL fixes, listed with these
+        trl = FIELDS[key].trl_fixed
+        q[name] = (getattr(spec, key), trl, (key,), f"other:{key}", {"set": {key: trl}})
     other("clip low (epsilon)", spec.CLIP_LOW, kw["epsilon"], "epsilon", "CLIP_LOW")
     other("clip high (epsilon_high)", spec.CLIP_HIGH, kw["epsilon_high"] if kw["epsilon_high"] is not None
           else kw["epsilon"], "epsilon_high", "CLIP_HIGH")
@@ -225,14 +174,15 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
           [float(w) for w in kw["reward_weights"]] if kw.get("reward_weights") is not None else None,
           "reward_weights", "rewards.weights")
     # quirks of hand-written loops: scratch-loop fields TRL has no setting for (TRL always does the default)
-    for key, (default, quantity, _words) in QUIRKS.items():
+    for key, f in QUIRKS.items():
         if key.startswith("KL_") and not spec.BETA or key == "LOGP_OLD" or key == "MASK_TOKEN_DROP" and \
                 spec.MASK_TOKEN_ID < 0:
             continue  # no KL term (no token id), nothing for the estimator or its place (the drop) to change
-        q[quantity] = (getattr(spec, key), default, (key,), f"quirk:{key}", {"set": {key: default}})
+        q[f.quantity] = (getattr(spec, key), f.trl_fixed, (key,), f"quirk:{key}", {"set": {key: f.trl_fixed}})
     if spec.LOGP_OLD == "current" and (spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.SELECTION):
         # (with one pass over each whole round the ratio is 1 either way: no difference to name)
-        q[QUIRKS["LOGP_OLD"][1]] = (spec.LOGP_OLD, "auto", ("LOGP_OLD",), "quirk:LOGP_OLD", {"set": {"LOGP_OLD": "auto"}})
+        auto = QUIRKS["LOGP_OLD"].trl_fixed
+        q[QUIRKS["LOGP_OLD"].quantity] = (spec.LOGP_OLD, auto, ("LOGP_OLD",), "quirk:LOGP_OLD", {"set": {"LOGP_OLD": auto}})
     # any other [trl] override is a difference of its own: the translation never sets it
     covered = {f for v in q.values() for f in v[2]}
     for key, value in tr.overrides.items():
@@ -682,12 +632,6 @@ def format_checkpoint(checkpoint: list[CheckpointFact], path: Path | None = None
 # ---------------------------------------------------------------------------------------------
 # what to change, in words
 # ---------------------------------------------------------------------------------------------
-LOSS_WORDS = {"sequence": "averages per sequence, each completion weighing the same",
-              "token_global": "averages over tokens, each token of the accumulated batch weighing the same",
-              "token_local": "averages over the tokens of each micro-batch",
-              "constant": "divides by batch x max completion length"}
-
-
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -704,7 +648,7 @@ def fix_for(spec, diffs: list[Difference], check: str) -> dict:
     align = alignment_for(diffs, check)
     if check.startswith("quirk:") and mine:  # TRL has no setting: the only match is on the scratch side
         key = check.split(":", 1)[1]
-        default, _quantity, words = QUIRKS[key]
+        default, words = QUIRKS[key].trl_fixed, QUIRKS[key].preflight_words
         value = mine[0].scratch
         fallback = words.get("*", f"has {key} = {value!r}")
         said = fallback if isinstance(value, (list, dict)) else words.get(value, fallback)
@@ -718,8 +662,9 @@ def fix_for(spec, diffs: list[Difference], check: str) -> dict:
     scratch = {k: v for k, v in align.get("set", {}).items() if k != "BATCH_MAPPING" and not trl}
     if check == "loss_type" and mine:
         d = mine[0]
-        what = (f"TRL {LOSS_WORDS.get(d.trl, d.trl)} (loss_type={before.get('loss_type')}); the scratch loop "
-                f"{LOSS_WORDS.get(d.scratch, d.scratch)}")
+        said = FIELDS["LOSS_NORM"].preflight_words
+        what = (f"TRL {said.get(d.trl, d.trl)} (loss_type={before.get('loss_type')}); the scratch loop "
+                f"{said.get(d.scratch, d.scratch)}")
     elif check == "batch" and mine:
         facts = {d.quantity: d for d in mine}
         p = facts.get("prompts per optimizer step")

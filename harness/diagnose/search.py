@@ -22,9 +22,8 @@ from pathlib import Path
 
 from harness.diagnose import noise
 from harness.diagnose.compare import is_derived, load_tolerances, tolerance_for
-from harness.diagnose.fields import toml_value
+from harness.diagnose.fields import FIELDS, toml_value
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.tensordiff import CLIP_NORMS
 from harness.runlog.atomic import atomic_write_text
 
 MAX_FIELDS = 10
@@ -46,64 +45,55 @@ class Option:
 
 
 # ---------------------------------------------------------------------------------------------
-# the candidates: spec fields, and when each can act
+# the candidates: spec fields (fields.FIELDS: their values, and when each can act)
 # ---------------------------------------------------------------------------------------------
-STD_EPS_VALUES = (1e-8, 1e-6, 1e-5, 1e-3, 0.0)
-BETA_VALUES = (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1)
-LR_VALUES = (1e-6, 2e-6, 3e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
-
-
 def options(spec, logged: set[str]) -> list[Option]:
     """Every candidate change of `spec` (the search's current spec), in the order they are tried: the loss's shape
     and the advantages (step 1), then what acts through the first update (step 2), then through the second
     (step 3). `logged`: the metrics your loop logs (a logged learning rate is read, not searched)."""
-    from scratch_grpo.core import IS_MODES
-    from trl_runner.translate import LOSS_TYPES
-
-    out = [Option("LOSS_NORM", v, 1) for v in LOSS_TYPES if v != spec.LOSS_NORM]
-    out += [Option("ADV_SCALE", v, 1) for v in ("group", "batch", "none") if v != spec.ADV_SCALE]
-    out += [Option("MASK_TRUNCATED", not spec.MASK_TRUNCATED, 1)]
+    out = _others(spec, "LOSS_NORM") + _others(spec, "ADV_SCALE") + _others(spec, "MASK_TRUNCATED")
     if spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.IS_CORRECTION:  # the ratio leaves 1
         # ... but not before the first update: step 1 trains the policy that generated (ratio 1), so a clip bound can
         # first bind at step 2 (a second pass, or the round's next slice)
-        out += [Option("CLIP_HIGH", v, 2) for v in (0.2, 0.28) if v != spec.CLIP_HIGH]
-        out += [Option("CLIP_LOW", v, 2) for v in (0.1, 0.2) if v != spec.CLIP_LOW]
+        out += _others(spec, "CLIP_HIGH") + _others(spec, "CLIP_LOW")
     if spec.sampler.kind != "policy":  # a separate sampler's completions: corrected for, or not, and how
-        out += [Option("IS_CORRECTION", not spec.IS_CORRECTION, 1)]
-        out += [Option("IS_MODE", m, 1) for m in IS_MODES if spec.IS_CORRECTION and m != spec.IS_MODE]
+        out += _others(spec, "IS_CORRECTION") + (_others(spec, "IS_MODE") if spec.IS_CORRECTION else [])
     if spec.BETA > 0:
-        out += [Option("KL_ESTIMATOR", v, 1) for v in ("k1", "k2") if v != spec.KL_ESTIMATOR]  # k3's gradient is 0 at 1
-        out += [Option("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION, 2), Option("KL_IN_REWARD", True, 2)]
+        out += _others(spec, "KL_ESTIMATOR")  # k3's gradient is 0 at 1
+        out += _others(spec, "KL_IS_CORRECTION") + _each("KL_IN_REWARD")
     else:  # a KL penalty, with TRL's factor of the policy ratio and (most hand-written loops) without it
-        out += [Option("BETA", v, 2) for v in BETA_VALUES]
-        out += [Option("BETA", v, 2, (("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION),)) for v in BETA_VALUES]
+        out += _each("BETA") + _each("BETA", also=(("KL_IS_CORRECTION", not spec.KL_IS_CORRECTION),))
     if "learning_rate" not in logged:  # else read from the log (settings_from_log), not searched
-        out += [Option("LR", v, 2) for v in LR_VALUES if not math.isclose(v, spec.LR, rel_tol=1e-9)]
-    out += [Option("WEIGHT_DECAY", v, 2) for v in (0.0, 0.01, 0.1) if v != spec.WEIGHT_DECAY]
+        out += [o for o in _each("LR") if not math.isclose(o.value, spec.LR, rel_tol=1e-9)]
+    out += _others(spec, "WEIGHT_DECAY")
     if not spec.WEIGHT_DECAY_ALL:  # torch's AdamW(model.parameters()): norms and biases decay too
-        out += [Option("WEIGHT_DECAY", v, 2, (("WEIGHT_DECAY_ALL", True),)) for v in (0.01, 0.1)]
-    out += [Option("MAX_GRAD_NORM", v, 2) for v in CLIP_NORMS if v != spec.MAX_GRAD_NORM]
-    out += [Option("ADAM_EPS", v, 2) for v in (1e-6, 1e-5) if v != spec.ADAM_EPS]
-    out += [Option("ADAM_BETA2", v, 3) for v in (0.999, 0.99, 0.98, 0.95, 0.9) if v != spec.ADAM_BETA2]
-    out += [Option("ADAM_BETA1", v, 3) for v in (0.9, 0.0) if v != spec.ADAM_BETA1]
+        out += _each("WEIGHT_DECAY", [v for v in FIELDS["WEIGHT_DECAY"].values if v], (("WEIGHT_DECAY_ALL", True),))
+    out += _others(spec, "MAX_GRAD_NORM") + _others(spec, "ADAM_EPS")
+    out += _others(spec, "ADAM_BETA2") + _others(spec, "ADAM_BETA1")
     if "learning_rate" not in logged:
-        out += [Option("LR_SCHEDULE", v, 3) for v in ("constant", "linear") if v != spec.LR_SCHEDULE]
+        out += _others(spec, "LR_SCHEDULE")
     # the quirks: TRL has no setting for any of these (the scratch loop does)
-    out += [Option("STD_EPS", v, 1) for v in STD_EPS_VALUES if v != spec.STD_EPS]
-    out += [Option("STD", "population" if spec.STD == "bessel" else "bessel", 1),
-            Option("STD_EPS_INSIDE", not spec.STD_EPS_INSIDE, 1)]
-    out += [Option("COMPLETION_MASK", v, 1) for v in ("no_eos", "all") if v != spec.COMPLETION_MASK]
-    out += [Option("EOS_ATTENTION", "mask" if spec.EOS_ATTENTION == "attend" else "attend", 1)]
-    out += [Option("EMPTY_SKIP", not spec.EMPTY_SKIP, 1)]
+    out += _others(spec, "STD_EPS") + _others(spec, "STD") + _others(spec, "STD_EPS_INSIDE")
+    out += _others(spec, "COMPLETION_MASK") + _others(spec, "EOS_ATTENTION") + _others(spec, "EMPTY_SKIP")
     if spec.MASK_TOKEN_ID >= 0:  # the masked token out of the sequence too, or only out of the loss
-        out += [Option("MASK_TOKEN_DROP", not spec.MASK_TOKEN_DROP, 1)]
-    out += [Option("LOGP_OLD", "forward", 1)] if spec.LOGP_OLD != "forward" else []
-    out += [Option("LOSS_SUM", True, 1)] if not spec.LOSS_SUM else []
+        out += _others(spec, "MASK_TOKEN_DROP")
+    out += _others(spec, "LOGP_OLD") + _others(spec, "LOSS_SUM")
     if spec.LOSS_NORM == "token_local" and spec.GRAD_ACCUM > 1 and spec.MICRO_BATCH_ORDER == "shuffled":
-        out += [Option("MICRO_BATCH_ORDER", "rollout", 1)]
+        out += _others(spec, "MICRO_BATCH_ORDER")
     if spec.TEMPERATURE != 1.0:
-        out += [Option("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS, 1)]
+        out += _others(spec, "LOGP_ON_RAW_LOGITS")
     return out
+
+
+def _each(key: str, values=None, also: tuple = ()) -> list[Option]:
+    """An option for each candidate value of the field (`values`, or its own in FIELDS), in order."""
+    field = FIELDS[key]
+    return [Option(key, v, field.acts_from, also) for v in (field.values if values is None else values)]
+
+
+def _others(spec, key: str) -> list[Option]:
+    """An option for each candidate value of the field other than the spec's, in order."""
+    return [o for o in _each(key) if o.value != getattr(spec, key)]
 
 
 def trl_moves(base, changes: dict) -> dict:
