@@ -15,8 +15,9 @@ import pandas as pd
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
-from harness.diagnose.explain import Trial, scratch_as_trl, settings_from_log, trl_fields, trl_moves
+from harness.diagnose.explain import scratch_as_trl, settings_from_log, trl_fields
 from harness.diagnose.matrix import run_matrix
+from harness.diagnose.search import Trial, trl_moves
 from harness.diagnose.verdict import format_verdict
 from harness.experiment.spec import load_spec
 
@@ -281,7 +282,7 @@ def test_a_clip_bound_is_a_candidate_from_the_first_step_after_an_update():
     """With the ratio able to leave 1 (several passes or slices per round), a clip bound still cannot act at step 1:
     that step trains the policy that generated its round (ratio exactly 1). Offered there, the bounds took two of
     the pair search's eight places with changes that move nothing."""
-    from harness.diagnose.explain import options
+    from harness.diagnose.search import options
 
     for sets in (["NUM_ITERATIONS=2"], ["STEPS_PER_GENERATION=2"]):
         clips = [o for o in options(load_spec(DEFAULT_SPEC, sets), set()) if o.key in ("CLIP_HIGH", "CLIP_LOW")]
@@ -340,7 +341,7 @@ def test_empty_skip_drops_the_micro_batch_that_holds_an_eos_only_completion(tmp_
 def test_a_trial_is_judged_over_the_steps_asked_not_over_the_steps_it_ran():
     """A trial run earlier to step 5 and asked again for 3 steps is judged over 3 (its parting, how far); asked to
     stop where it parts, over the steps until then."""
-    from harness.diagnose.explain import _judged
+    from harness.diagnose.search import _judged
 
     per_step = (([], 0.0, 0.2), ([], 0.0, 0.3), (["loss"], 1.5, 0.0), ([], 0.0, 0.1), (["grad_norm"], 2.0, 0.0))
     t = Trial({"a": 1}, agree=-1, outside=[], far=0.0, ran=5, folder="", per_step=per_step)
@@ -465,7 +466,8 @@ def test_a_change_below_the_runs_rounding_is_not_kept_though_it_brings_a_step_in
     1.5 bounds away, beta is kept and the epsilon is not; the search says where it stopped and why."""
     import scratch_grpo.train
     from harness.diagnose.compare import load_tolerances, tolerance_for
-    from harness.diagnose.explain import Search, below_rounding_words
+    from harness.diagnose.explain import below_rounding_words
+    from harness.diagnose.search import Search
 
     t = tolerance_for(load_tolerances(), "lockstep", "float32", "loss")
     bound = t.get("atol", 0.0) + t.get("rtol", 0.0) * 1.1
@@ -502,7 +504,8 @@ def test_a_search_stopped_below_bf16_rounding_is_run_again_in_float32(tmp_path, 
     import loop_runner.run
     import scratch_grpo.train
     from harness.diagnose.compare import load_tolerances, tolerance_for
-    from harness.diagnose.explain import Search, escalated_words, in_float32
+    from harness.diagnose.explain import escalated_words, in_float32
+    from harness.diagnose.search import Search
 
     t = tolerance_for(load_tolerances(), "lockstep", "float32", "loss")
     bound = t.get("atol", 0.0) + t.get("rtol", 0.0) * 1.1
@@ -634,7 +637,8 @@ def test_a_settled_field_is_never_offered_to_the_search(tmp_path, monkeypatch, s
     later round tries ADV_SCALE, STD_EPS or STD_EPS_INSIDE, though the search goes on to a later step (beta from step
     2). Without `settles` the same rounds do try them (what the nano-aha-moment search once kept by mistake)."""
     import scratch_grpo.train
-    from harness.diagnose.explain import SETTLES, Search
+    from harness.diagnose.explain import SETTLES
+    from harness.diagnose.search import Search
 
     tried: list[dict] = []
 
@@ -675,7 +679,8 @@ def test_a_float32_search_after_the_loss_in_value_only_pass_also_judges_without_
     import loop_runner.run
     import scratch_grpo.train
     from harness.diagnose.compare import load_tolerances, tolerance_for
-    from harness.diagnose.explain import Search, in_float32
+    from harness.diagnose.explain import in_float32
+    from harness.diagnose.search import Search
 
     t = tolerance_for(load_tolerances(), "lockstep", "float32", "grad_norm")
     bound = t.get("atol", 0.0) + t.get("rtol", 0.0) * 1.1

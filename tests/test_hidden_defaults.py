@@ -14,8 +14,8 @@ import torch
 
 from conftest import ROOT, small_spec
 from harness.diagnose.compare import compare_inputs, load_inputs
-from harness.diagnose.preflight import (_dropout_kind, alignment_for, apply_alignment, checkpoint_facts, fix_for,
-                                        format_preflight, preflight)
+from harness.diagnose.checkpoint import _dropout_kind, checkpoint_facts
+from harness.diagnose.preflight import alignment_for, apply_alignment, fix_for, format_preflight, preflight
 
 # what Qwen3-0.6B ships in its generation_config.json (besides its token ids)
 QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
@@ -157,7 +157,7 @@ def test_both_sides_picking_up_the_same_default_is_a_note(qwen_dir, tmp_path):
 def test_the_emulated_sampler_samples_alike_on_both_sides(qwen_dir, tmp_path, generation):
     """The emulated sampler fills TRL's vLLM slot and samples for the scratch side too: through generate (CPU's
     auto: both pick up the checkpoint's min_p) or through the static decoder (neither applies it); a note either way."""
-    from harness.diagnose.preflight import _scratch_sampling, _trl_sampling
+    from harness.diagnose.checkpoint import _scratch_sampling, _trl_sampling
 
     spec = local(variant(qwen_dir, tmp_path / "ck", generation={"min_p": 0.05}), 'sampler.kind="emulated"',
                  f'GENERATION="{generation}"')

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from harness.diagnose.fields import FIELDS
 from harness.runlog.tensors import CHAIN, PER_TOKEN
 
 # what each link is computed from (a link that differs while all of these agree differs on its own)
@@ -39,7 +40,7 @@ DEPENDS = {"rewards": (), "advantages": ("rewards",), "mask": (), "logps": (), "
            "grad_norm": ("per_token_loss", "mask", "logps", "loss")}
 # a tensor only your loop has, and what it says
 ONLY_YOURS = {"ref_logps": ("your loop scores a reference model: a KL term (beta > 0; the built-in loop as TRL has none)",
-                            [{"BETA": v} for v in (0.01, 0.001, 0.04, 0.1)]),
+                            [{"BETA": v} for v in FIELDS["BETA"].guesses["ref_logps"]]),
               "old_logps": ("your loop takes the old log-probs from a pass of their own (TRL, one pass per round: the "
                             "current ones, detached)", [{"LOGP_OLD": "forward"}])}
 _WHAT = {"rewards": "the rewards", "advantages": "the advantages", "mask": "the loss's token mask",
@@ -241,12 +242,6 @@ def guesses_of(chain: list[dict], first: dict) -> list[dict]:
     return out
 
 
-# gradient-norm clipping thresholds tried (0: none; hand-written loops often clip at 0.1 or 0.2, TRL at 1.0). Under
-# Adam a threshold below every step's norm only rescales the whole gradient, which Adam all but cancels: such
-# thresholds cannot be told apart, and the verdict says the loop clips, not at which of them
-CLIP_NORMS = (0.0, 0.1, 0.2, 0.5, 1.0)
-
-
 def round_weights(w: list[float]) -> list[float]:
     """Fitted weights to 4 significant digits, and 0 for a weight under 1e-6 of the largest (least squares leaves
     -6e-17 where a function's weight is 0, and the rounding to 4 digits keeps it)."""
@@ -296,9 +291,10 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, e
     if name in ("logps", "old_logps", "ref_logps") and b.get("_after_clean_step"):
         return {"how": "the log-probs part after a step whose tensors all agreed: the first update differs (the "
                        "learning rate, weight decay, Adam's epsilon, clipping, a KL term's gradient)",
-                "candidates": [*({"WEIGHT_DECAY": v} for v in (0.01, 0.1) if v != spec.WEIGHT_DECAY),
-                               *({"MAX_GRAD_NORM": v} for v in CLIP_NORMS if v != spec.MAX_GRAD_NORM),
-                               *({"ADAM_EPS": v} for v in (1e-6, 1e-5) if v != spec.ADAM_EPS)]}
+                "candidates": [*({"WEIGHT_DECAY": v} for v in FIELDS["WEIGHT_DECAY"].values  # (a decay: not none)
+                                 if v and v != spec.WEIGHT_DECAY),
+                               *({"MAX_GRAD_NORM": v} for v in FIELDS["MAX_GRAD_NORM"].values if v != spec.MAX_GRAD_NORM),
+                               *({"ADAM_EPS": v} for v in FIELDS["ADAM_EPS"].values if v != spec.ADAM_EPS)]}
     if name in ("logps", "old_logps", "ref_logps"):
         cands = []
         if prompts_have_eos:
@@ -311,8 +307,8 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, e
         return {"how": "the forward pass scores the same tokens otherwise (the attention mask or positions around "
                        "the prompt's eos, a temperature applied or not, another dtype)", "candidates": cands}
     if name == "per_token_loss":
-        cands = [{"BETA": v} for v in (0.001, 0.01, 0.04, 0.1)] if spec.BETA == 0 else \
-            [{"KL_ESTIMATOR": e} for e in ("k1", "k2")]
+        cands = [{"BETA": v} for v in FIELDS["BETA"].guesses["per_token_loss"]] if spec.BETA == 0 else \
+            [{"KL_ESTIMATOR": e} for e in FIELDS["KL_ESTIMATOR"].values]
         return {"how": "the per-token loss differs with the same advantages, mask and log-probs: a KL term, or the "
                        "clip bounds", "candidates": cands}
     if name == "loss":
@@ -325,7 +321,8 @@ def _explain(name, a, b, spec, lengths, eos_ids, prompts_have_eos, atol, rtol, e
                        "gradient (a KL term multiplied by the policy ratio, which is 1 in value: "
                        "use_bias_correction_kl), a factor on a loss whose value is near 0 (as at a ratio of 1), or "
                        "the gradient's clipping",
-                "candidates": cands + [{"MAX_GRAD_NORM": g} for g in CLIP_NORMS if g != spec.MAX_GRAD_NORM]}
+                "candidates": cands + [{"MAX_GRAD_NORM": g} for g in FIELDS["MAX_GRAD_NORM"].values
+                                       if g != spec.MAX_GRAD_NORM]}
     return {"how": "differs", "candidates": []}
 
 
@@ -339,9 +336,10 @@ def _advantages(a, b, spec, atol, rtol) -> dict:
     mine = _flat(a["advantages"])
     found = []
     if len(rewards) == len(mine) and len(mine) % spec.GROUP_SIZE == 0:
+        eps_values = (FIELDS["STD_EPS"].trl_fixed, *FIELDS["STD_EPS"].values)  # TRL's own first, then the search's
         options = [("group", "bessel", spec.STD_EPS, False)]
-        options += [(sc, sd, eps, inside) for sc in ("group", "batch", "none") for sd in ("bessel", "population")
-                    for eps in (1e-4, 1e-8, 1e-6, 1e-5, 1e-3, 0.0) for inside in (False, True)]
+        options += [(sc, sd, eps, inside) for sc in FIELDS["ADV_SCALE"].values for sd in FIELDS["STD"].values
+                    for eps in eps_values for inside in FIELDS["STD_EPS_INSIDE"].values]
         for scale, std, eps, inside in options:
             adv, _ = group_advantages(rewards, spec.GROUP_SIZE, scale, std, eps, inside)
             if all(_close(x, y, atol, max(rtol, 1e-5)) for x, y in zip(mine, adv.tolist())):
@@ -377,8 +375,8 @@ def _mask(mine, theirs, lengths, ends=None) -> dict:
         last_off = all((f == 1) == bool(e) and (f == 0 or int(r[n - 1]) == 0)
                        for r, n, f, e in zip(mine, lengths, fewer, ends))
         if last_off:
-            return {"how": "one token fewer at the end of each completion that ends with an eos: your loop leaves the "
-                           "eos out of the loss (TRL counts it; no TRL setting)",
+            return {"how": "one token fewer at the end of each completion that ends with an eos: "
+                           + FIELDS["COMPLETION_MASK"].diff_words["no_eos"],
                     "candidates": [{"COMPLETION_MASK": "no_eos"}], "exact": True}
     if all(m == 0 or m == t for m, t in zip(rows_mine, rows_theirs)) and any(m == 0 < t for m, t in
                                                                              zip(rows_mine, rows_theirs)):
@@ -391,7 +389,7 @@ def _loss(a, spec, atol, rtol) -> dict:
     """Recompute your step's loss from your own per-token loss and mask under each normalisation."""
     if "per_token_loss" not in a or "mask" not in a or "loss" not in a:
         return {"how": "the loss differs (save per_token_loss and mask to have its normalisation named)",
-                "candidates": [{"LOSS_NORM": n} for n in ("sequence", "token_global", "constant") if n != spec.LOSS_NORM]}
+                "candidates": [{"LOSS_NORM": n} for n in FIELDS["LOSS_NORM"].guesses["loss"] if n != spec.LOSS_NORM]}
     rows = [[(float(x), float(m)) for x, m in zip(r, mr)] for r, mr in zip(a["per_token_loss"], a["mask"])]
     sums = [sum(x * m for x, m in r if not math.isnan(x)) for r in rows]
     counts = [sum(m for _, m in r) for r in rows]
