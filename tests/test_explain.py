@@ -22,6 +22,14 @@ from harness.diagnose.verdict import format_verdict
 from harness.experiment.spec import load_spec
 
 EXAMPLE = f"{sys.executable} {ROOT / 'examples' / 'my_grpo.py'}"
+
+
+def _cell_of(spec, folder):
+    """A cell of your loop whose run is folder/yours (what a pair would hold), with no rollouts."""
+    from harness.diagnose.cell import CellData
+    from harness.diagnose.runs import load_any_run
+
+    return CellData(spec, folder, ("yours", "trl"), runs={"yours": load_any_run(folder / "yours")})
 QUIET = {"log": lambda *_: None}
 
 
@@ -537,11 +545,13 @@ def test_a_search_stopped_below_bf16_rounding_is_run_again_in_float32(tmp_path, 
     search = Search(spec, yours, [], tmp_path / "explain", log=lambda *_: None)
     state, _trace = search.run({})
     assert state.changes == {"BETA": 0.04} and search.below_rounding["at_step"] == 4
-    assert in_float32(spec, tmp_path, [], search, state, {}, log=lambda *_: None) is None  # float32 already
-    out = in_float32(bf16, tmp_path, [], search, state, {}, log=lambda *_: None)
+    cell = _cell_of(spec, tmp_path)
+    assert in_float32(spec, cell, search, state, {}, log=lambda *_: None) is None  # float32 already
+    out = in_float32(bf16, cell, search, state, {}, log=lambda *_: None)
     assert out is not None
-    spec32, again, state32, _trace32, yours_dir, _env = out
-    assert spec32.DTYPE == "float32" and yours_dir == tmp_path / "explain" / "float32" / "yours"
+    spec32, again, state32, _trace32, cell32 = out
+    assert spec32.DTYPE == "float32" and cell32.folder == tmp_path / "explain" / "float32"
+    assert cell32.yours is not None and cell32.spec.DTYPE == "float32"
     assert state32.changes == {"BETA": 0.04} and state32.agree == 5, (state32.changes, state32.agree)
     assert again.escalated_from["at_step"] == 4 and again.escalated_from["agree"] == 3
     assert again.escalated_from["loop_ignores_dtype"] is False  # the same step-1 loss in any dtype is no sign
@@ -714,10 +724,10 @@ def test_a_float32_search_after_the_loss_in_value_only_pass_also_judges_without_
     search.without_loss(2)
     state, _trace = search.run({})
     assert state.changes == {"BETA": 0.04} and search.below_rounding["at_step"] == 4, state.changes
-    out = in_float32(dataclasses.replace(spec, DTYPE="bfloat16"), tmp_path, [], search, state, {},
+    out = in_float32(dataclasses.replace(spec, DTYPE="bfloat16"), _cell_of(spec, tmp_path), search, state, {},
                      log=lambda *_: None)
     assert out is not None
-    _spec32, again, state32, _trace32, _dir, _env = out
+    _spec32, again, state32, _trace32, _cell32 = out
     assert again.value_only == 2 and "loss" not in again.judge.columns
     assert state32.changes == {"BETA": 0.04} and state32.agree == 5, (state32.changes, state32.agree)
     assert json.loads((tmp_path / "explain" / "float32" / "search" / "search.json").read_text())[

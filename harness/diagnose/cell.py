@@ -79,7 +79,8 @@ class CellData:
     tensors: dict = dataclasses.field(default_factory=dict)  # your loop's saved tensors {step: {name: value}}
     trained: dict | None = None  # your loop's selection {step: [(round, index), ...]} (harness.loop.trained)
     trained_path: str = ""  # where that selection is (the built-in loop's SELECTION replays it)
-    sketches: dict = dataclasses.field(default_factory=dict)  # side -> its parameter sketch (Sketch) or None
+    sketches: dict = dataclasses.field(default_factory=dict)  # a run folder's path (str) -> its parameter sketch
+    #   (Sketch) or None: the sides', then those of the runs later steps compare (a search's), added as read, once each
 
     @property
     def comparison_runs(self) -> tuple:
@@ -91,9 +92,32 @@ class CellData:
         """Your loop's metric log (None for a pair of the built-in sides)."""
         return self.runs.get("yours")
 
+    def sketch(self, side: str) -> Sketch | None:
+        """A side's parameter sketch (None when it recorded none)."""
+        return self.sketches.get(str(Path(self.folder) / side))
+
     def grad_norms(self) -> dict[int, float]:
         """Your loop's logged pre-clip gradient norm per step ({} when it logs none)."""
         yours = self.yours
         if yours is None or "grad_norm" not in yours.columns:
             return {}
         return {int(s): float(v) for s, v in yours["grad_norm"].dropna().items()}
+
+
+def load(spec, folder: Path, comparison: dict, sides: tuple = ("yours", "trl")) -> CellData:
+    """A lockstep cell from its folder, for a caller that holds no pair (a test, a report made again): each file read
+    once, here. The pair's own path is `pairs.run_pair(keep=True)`, which reads none of them back."""
+    from harness.diagnose import noise
+    from harness.diagnose.runs import load_any_run
+    from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
+
+    folder = Path(folder)
+    ckpt = checkpoint_dir(spec)
+    tok = load_tokenizer(ckpt)
+    extra = your_loop_files(folder / "yours", folder / LOOP_ROLLOUTS_FILE) if "yours" in sides else {}
+    return CellData(spec, folder, tuple(sides), "lockstep", comparison,
+                    {side: load_any_run(folder / side) for side in sides if (folder / side).is_dir()},
+                    tuple(ReplaySource.from_file(folder / ROLLOUTS_FILE).records), noise.load(folder),
+                    tuple(eos_token_ids(generation_config(ckpt), tok)), tok.pad_token_id,
+                    sketches={str(folder / side): read_sketch(folder / side) for side in sides}, **extra)

@@ -44,7 +44,8 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.diagnose import float32, identify, noise
+from harness.diagnose import identify
+from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.preflight import apply_alignment
@@ -58,7 +59,6 @@ from trl_runner.translate import NORM_OF_LOSS_TYPE
 # tensors showed (docs/your-loop.md, nano-aha-moment)
 SETTLES = {"advantages": ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE"),
            "mask": ("COMPLETION_MASK",), "loss": ("LOSS_NORM",)}  # not MASK_TRUNCATED: a step may have no truncation
-EXPLAIN_FILE = "your_loop_in_trl.toml"
 
 
 def trl_fields(base, changes: dict) -> dict:
@@ -239,30 +239,21 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
     written table where no quirk is left, match your loop at every step; `suspected` otherwise). `table`: where
     the TRL table goes and the cell it names (default: beside verdict.json, the cell folder's name)."""
-    from harness.diagnose.compare import load_any_run
-    from harness.diagnose.pairs import compare_sides
-    from harness.diagnose.tensordiff import round_scores
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, ReplaySource
+    from harness.diagnose import cell as cells
 
     t0 = time.perf_counter()
     cell_dir = Path(cell_dir)
-    yours_dir = cell_dir / "yours"
-    if data is not None:  # the cell as the pair left it (CellData): nothing read back
-        yours, envelope, records = data.yours, data.envelope, list(data.records)
-    else:
-        yours = load_any_run(yours_dir)
-        envelope = noise.load(cell_dir)
-        records = ReplaySource.from_file(cell_dir / ROLLOUTS_FILE).records
+    data = data if data is not None else cells.load(spec, cell_dir, result)  # the cell, read once
+    yours, envelope, records = data.yours, data.envelope, list(data.records)
     root = cell_dir / "explain"
     if root.exists():
         shutil.rmtree(root)
     spec_dtype = spec.DTYPE
     base = scratch_as_trl(spec)
-    identified = _identify(spec, base, yours, yours_dir, records, log)
+    identified = _identify(data, base, log)
     opt = next((f for f in identified if f.stage == "optimizer" and f.readable), None)
     read, said, lr_ahead = settings_from_log(yours, base, opt.evidence.get("lrs") if opt else None)
-    scores = list(data.scores) if data is not None else round_scores(cell_dir / LOOP_ROLLOUTS_FILE)
-    weights, weights_said = reward_weights_from_log(yours, base, scores)
+    weights, weights_said = reward_weights_from_log(yours, base, list(data.scores))
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
     outside_first = sorted(m for m, v in result.get("metrics", {}).items()
@@ -295,7 +286,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     read = {**read, **fixed}  # settled by your own tensors: the search starts there and leaves them
     search.settled |= set(settles) - set(conflict)
     notes += identify.words(identified)
-    found = _tensor_diff(spec, search, read, yours_dir, records, log)
+    found = _tensor_diff(spec, search, read, data, log)
     first = ((found or {}).get("first") or {}).get("tensor")
     if tensor_words(found) and not any(f.exact and f.stage == _STAGE_OF.get(first) for f in identified):
         notes.insert(0, tensor_words(found))  # (a link the stages read exactly is said by them)
@@ -321,9 +312,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         search.without_loss(value_only)
         state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
     search.save()
-    escalated = in_float32(spec, cell_dir, records, search, state, read, log)
+    escalated = in_float32(spec, data, search, state, read, log)
     if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
-        spec, search, state, trace, yours_dir, envelope = escalated
+        spec, search, state, trace, data = escalated
         value_only = search.value_only
         notes.append(escalated_words(escalated[1].escalated_from, spec_dtype))
         was = search.escalated_from["found"]
@@ -388,14 +379,14 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
         return [entry]
     # every step agrees on what training computes: the whole comparison, as the cell was judged
-    final = _loss_in_value_only(compare_sides(spec, yours_dir, Path(state.folder), "lockstep", envelope), value_only)
+    final = _loss_in_value_only(_against(spec, data, Path(state.folder)), value_only)
     final_fd = final.get("first_divergence")
     derived = final.get("defined_differently", [])
     weights_off = "param_rel_l2" in final.get("outside", [])
     path, cell = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
     confirmed_by_trl = None
     if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
-        confirmed_by_trl = _trl_check(spec, trl, records, root / "trl-with-table", yours_dir, envelope, value_only)
+        confirmed_by_trl = _trl_check(spec, trl, data, root / "trl-with-table", value_only)
         search.runs += 1
     sentence = _sentence(trl, quirks, path)
     if escalated is not None:
@@ -424,19 +415,22 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     return [entry]
 
 
-def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read: dict, log=print):
+def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     """Where a bf16 search stopped because only changes below its rounding did better: your loop and the search
     again in float32 (fp32 weights and arithmetic; TF32 is off in torch by default) on the same rollouts, starting
     from what bf16 found. None when not needed (float32 already, or the search stopped for another reason) or when
-    your loop fails in float32; else (spec, search, state, trace, your run's folder, envelope) in float32, the
-    search's `escalated_from` saying where bf16 stopped."""
+    your loop fails in float32; else (spec, search, state, trace, the cell) in float32, the search's
+    `escalated_from` saying where bf16 stopped (the cell: `data` with your float32 run and its envelope)."""
+    import dataclasses
+
+    from harness.diagnose.precision import FLOAT32, float32_twin, your_loop_in_float32
     from loop_runner.run import LoopError
 
     full = state.agree >= search.steps  # an explanation reached in bf16 is checked in float32 before it is claimed
     if spec.DTYPE == "float32" or spec.FLOAT32_CHECK == "off" or (not full and not search.below_rounding):
         return None
     root = search.root / "float32"
-    spec32 = apply_alignment(spec, {"set": float32.FLOAT32})
+    spec32 = apply_alignment(spec, {"set": FLOAT32})
     if full:
         log(f"    explain: in {spec.DTYPE} the explanation agrees at every step; before it is claimed, your loop and the "
             "built-in loop again in float32 on the same rollouts (bf16's rounding hides smaller differences)")
@@ -445,7 +439,7 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
             "your loop and the search again in float32 on the same rollouts")
     t0 = time.perf_counter()
     try:
-        yours, same = float32.your_loop_in_float32(spec32, cell_dir, root)
+        yours, same = your_loop_in_float32(spec32, data, root)
     except LoopError as e:
         log(f"    explain: your loop in float32 failed ({str(e)[:200]}); the {spec.DTYPE} answer stands")
         return None
@@ -456,9 +450,9 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     base = scratch_as_trl(spec32)
     envelope = None
     if spec32.TOLERANCE == "calibrated":  # the float32 noise twin of what bf16 found
-        envelope = float32.float32_twin(apply_alignment(base, {"set": state.changes}), records, root, "plain")
+        envelope = float32_twin(apply_alignment(base, {"set": state.changes}), list(data.records), root, "plain")
     search.warm = None  # the bf16 model: freed before the float32 one loads
-    again = Search(base, yours, records, root / "search", envelope, search.log)
+    again = Search(base, yours, list(data.records), root / "search", envelope, search.log)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
     if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may
@@ -468,7 +462,8 @@ def in_float32(spec, cell_dir: Path, records, search: Search, state: Trial, read
     guess = {k: v for k, v in state.changes.items() if k not in read}
     state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
     again.save()
-    return spec32, again, state32, trace, root / "yours", envelope
+    data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={})
+    return spec32, again, state32, trace, data32
 
 
 def escalated_words(where: dict, dtype: str) -> str:
@@ -539,24 +534,15 @@ def _loss_value_alone(search: Search, state: Trial) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
-def _identify(spec, base, yours, yours_dir: Path, records, log) -> list:
+def _identify(data, base, log) -> list:
     """Each stage of your loop read from its own tensors (harness/diagnose/identify/): what the saved tensors allow,
-    against the built-in loop set up as TRL (the cell's spec)."""
-    from harness.diagnose.cell import CellData
-    from harness.diagnose.tensordiff import chain_facts, round_scores
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
-    from harness.runlog.tensors import TENSORS_FILE, TRAINED_FILE, read_tensors, read_trained
+    against the built-in loop set up as TRL (`base`)."""
+    import dataclasses
 
-    mine = read_tensors(yours_dir / TENSORS_FILE)
-    chosen = read_trained(yours_dir / TRAINED_FILE)
-    if not mine and not chosen:
+    if not data.tensors and not data.trained:
         return []
-    facts = chain_facts(base, records)
-    cell = CellData(spec=base, records=tuple(records), tensors=mine, eos_ids=tuple(facts["eos_ids"]),
-                    pad_id=facts.get("pad_id"), scores=tuple(round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE)),
-                    trained=chosen, trained_path=str((yours_dir / TRAINED_FILE).resolve()) if chosen else "",
-                    runs={"yours": yours})
-    if not cell.grad_norms() and any("probe" in t for t in mine.values()):
+    cell = dataclasses.replace(data, spec=base)
+    if not cell.grad_norms() and any("probe" in t for t in data.tensors.values()):
         log("    identify: your loop saved a parameter slice (Probe) but logs no grad_norm: the optimizer stage needs the "
             "pre-clip gradient norm of each step (log_step(step, grad_norm=...))")
     try:
@@ -593,21 +579,18 @@ def rows_problem(mine: dict[int, dict], records: list[dict], per_round: int) -> 
     return None
 
 
-def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, log) -> dict | None:
+def _tensor_diff(spec, search: "Search", start: dict, data, log) -> dict | None:
     """The tensor diff, where your loop saved tensors (harness.loop.tensors): the built-in loop, set up as TRL, saves
     the same steps' tensors on the same rollouts, and the first link of the chain that differs is named."""
-    from harness.diagnose.tensordiff import chain_facts, diff, round_scores
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
+    from harness.diagnose.tensordiff import chain_facts, diff
     from harness.runlog.tensors import TENSORS_FILE, read_tensors
 
-    mine = read_tensors(yours_dir / TENSORS_FILE)
+    mine, records = data.tensors, list(data.records)
     if not mine or spec.loop.tensor_steps < 1:
         return None
-    from harness.runlog.tensors import TRAINED_FILE, read_trained
-
     per_round = spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION
     problem = rows_problem(mine, records, per_round)
-    chosen = read_trained(yours_dir / TRAINED_FILE)
+    chosen = data.trained
     sizes = [len(rec["completion_ids"]) for rec in records]
     if chosen and not identify.selection(chosen, sizes, spec.GROUP_SIZE, per_round).same_as_spec:
         problem = ("your loop trains on completions of its own choosing (harness.loop.trained): its steps are read "
@@ -623,7 +606,7 @@ def _tensor_diff(spec, search: "Search", start: dict, yours_dir: Path, records, 
         return None
     steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
     ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
-    facts = chain_facts(spec, records, round_scores(yours_dir.parent / LOOP_ROLLOUTS_FILE))
+    facts = chain_facts(spec, records, list(data.scores))
     lengths = {s: n for s, n in facts["lengths"].items() if s in ref}
     ends = {s: e for s, e in facts["ends_with_eos"].items() if s in lengths}
     eos, has_eos, atol, rtol = facts["eos_ids"], facts["prompts_have_eos"], facts["atol"], facts["rtol"]
@@ -708,18 +691,24 @@ def scratch_as_trl(spec):
     return apply_alignment(aligned, {"set": dict(moved.values()), "drop_trl": list(moved)})
 
 
-def _trl_check(spec, trl: dict, records, folder: Path, yours_dir: Path, envelope,
-               value_only: int | None = None) -> bool:
-    """TRL with the table on the same rollouts against your loop: parity? (`value_only`: your loss differs in
-    value alone, see _loss_in_value_only)"""
-    from harness.diagnose.pairs import compare_sides
+def _trl_check(spec, trl: dict, data, folder: Path, value_only: int | None = None) -> bool:
+    """TRL with the table on the cell's rollouts (`data`) against your loop: parity? (`value_only`: your loss
+    differs in value alone, see _loss_in_value_only)"""
     from harness.rollouts.lockstep import ReplaySource
     from trl_runner.runner import train as train_trl
 
     candidate = apply_alignment(spec, {"set_trl": trl})
-    train_trl(candidate, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
-    result = compare_sides(candidate, yours_dir, folder / "trl", "lockstep", envelope)
-    return _loss_in_value_only(result, value_only)["first_divergence"] is None
+    train_trl(candidate, folder / "trl", rollout_source=ReplaySource(list(data.records)), progress=False,
+              lockstep=True)
+    return _loss_in_value_only(_against(candidate, data, folder / "trl"), value_only)["first_divergence"] is None
+
+
+def _against(spec, data, run: Path) -> dict:
+    """Your loop (the cell's) compared with a run the explanation made, as the cell was judged."""
+    from harness.diagnose.pairs import compare_loaded
+
+    return compare_loaded(spec, Path(data.folder) / "yours", Path(run), "lockstep", data.envelope, data.sketches,
+                          runs={"yours": data.yours})[0]
 
 
 def _loss_in_value_only(result: dict, value_only: int | None) -> dict:

@@ -239,7 +239,7 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
         elif side == "yours":
             loop_rollouts = write_loop_rollouts(spec, records, out_dir / LOOP_ROLLOUTS_FILE)
             _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
-    sketches = {side: read_sketch(out_dir / side) for side in sides} if keep else None
+    sketches = {str(out_dir / side): read_sketch(out_dir / side) for side in sides} if keep else None
     result, runs = compare_loaded(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope, sketches)
     result["notes"] += notes
     if broken:
@@ -342,8 +342,9 @@ def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> d
 def compare_loaded(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None, sketches: dict | None = None,
                    runs: dict | None = None) -> tuple[dict, dict]:
     """compare_sides, and each side's metric log it read ({} for two built-in sides, which compare_runs reads):
-    (comparison, {side folder name: frame}). `sketches` ({side folder name: cell.Sketch}) and `runs` (metric logs
-    by side folder name): what the caller holds already, not read again."""
+    (comparison, {side folder name: frame}). `sketches` ({run folder path: cell.Sketch}, CellData's) and `runs`
+    (metric logs by side folder name): what the caller holds already, not read again; a sketch read here is added
+    to `sketches`."""
     from harness.diagnose.compare import compare_frames
 
     if "yours" not in (a_dir.name, b_dir.name) and sketches is None and runs is None:
@@ -354,7 +355,7 @@ def compare_loaded(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None, ske
             runs[d.name] = load_any_run(d)
     a, b = runs[a_dir.name], runs[b_dir.name]
     if "yours" not in (a_dir.name, b_dir.name):  # compare_runs, on what is in hand
-        rel = relative_l2(sketches.get(a_dir.name), sketches.get(b_dir.name)) if sketches is not None else None
+        rel = relative_l2(sketches.get(str(a_dir)), sketches.get(str(b_dir))) if sketches is not None else None
         result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), param_rel_l2=rel,
                                 envelope=envelope)
         result["runs"] = [str(a_dir), str(b_dir)]
@@ -376,7 +377,7 @@ def compare_loaded(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None, ske
     return _defined_differently(result), runs
 
 
-FINAL = "yours-final"  # a cell's sketches: your loop's final weights, under this name
+FINAL = "#final"  # in a cell's sketches, your run's folder + FINAL: the sketch of the final weights it saved
 
 
 def _held_to_final_weights(result: dict, spec, yours: Path, other: Path, log, mode: str, envelope,
@@ -384,16 +385,21 @@ def _held_to_final_weights(result: dict, spec, yours: Path, other: Path, log, mo
     """The final weights your loop saved against the other side's sketch at that step, into `result`."""
     from loop_runner.run import final_weights_distance, final_weights_sketch
 
-    sketch = sketches.get(other.name) if sketches is not None else read_sketch(other)
+    if sketches is not None and str(other) in sketches:
+        sketch = sketches[str(other)]
+    else:
+        sketch = read_sketch(other)
+        if sketches is not None:
+            sketches[str(other)] = sketch  # (a search's run: read here once, for whoever needs it after)
     if sketch is None:  # (the original read your saved weights only where the other side had a sketch)
         return
-    if sketches is not None and FINAL in sketches:
-        mine = sketches[FINAL]
+    if sketches is not None and str(yours) + FINAL in sketches:
+        mine = sketches[str(yours) + FINAL]
     else:
         found = final_weights_sketch(yours, spec.SEED)
         mine = Sketch(*found) if found is not None else None
         if sketches is not None:
-            sketches[FINAL] = mine  # your final weights, sketched once per cell
+            sketches[str(yours) + FINAL] = mine  # your final weights, sketched once per cell
     last = int(log.index.max()) if len(log.index) else 0
     found = final_weights_distance((mine.rows, mine.meta) if mine is not None else None, sketch.rows, sketch.meta, last)
     if found is None:

@@ -196,7 +196,7 @@ def escalate(cell, data, mode: str, progress: bool, log, store, backend, attribu
     result32 = data32.comparison
     details = attribute(dataclasses.replace(cell, spec=spec32), result32, folder, mode, progress, log, store, backend,
                         data=data32)
-    effect = relative_l2(data32.sketches.get("scratch"), data32.sketches.get("trl")) or []
+    effect = relative_l2(data32.sketch("scratch"), data32.sketch("trl")) or []
     k = data.comparison.get("k_noise") or 10.0
     out = {"dtype": dtype, "steps": steps, "dir": str(folder), "first_divergence": result32["first_divergence"],
            "attribution_detail": details, "effect": [float(e) for e in effect],
@@ -300,7 +300,7 @@ def _loop_cell32(spec32, data, folder: Path, mine):
         envelope = float32_twin(spec32, records, folder)
         noise.save(envelope, folder, noise.k_of(load_tolerances()), str(folder / "twin"))
     train_trl(spec32, folder / "trl", rollout_source=ReplaySource(records), progress=False, lockstep=True)
-    sketches = {"trl": read_sketch(folder / "trl")}
+    sketches = {str(folder / "trl"): read_sketch(folder / "trl")}
     result32, runs = compare_loaded(spec32, folder / "yours", folder / "trl", "lockstep", envelope, sketches,
                                     runs={"yours": mine})
     return dataclasses.replace(data, spec=spec32, folder=folder, comparison=result32, runs=runs, envelope=envelope,
@@ -321,8 +321,8 @@ def _loop_finding(out: dict, lead: dict, cell, data, data32, mine) -> dict:
         # your loop saves its weights at its last step only: the built-in loop with what the explanation found,
         # which matched your loop at every step, stands in for it on the weights per step
         matched = lead.get("matched_by")
-        effect = relative_l2(data32.sketches.get(Path(matched).name) or read_sketch(Path(matched)),
-                             data32.sketches.get("trl")) if matched else None
+        effect = relative_l2(data32.sketches.get(str(Path(matched))) or read_sketch(Path(matched)),
+                             data32.sketch("trl")) if matched else None
         said = ", ".join(f"{d['field']} = {d['value']}" for d in lead["differences"])
         text = f"{where} ({lead['cause']}, confirmed); {hidden}"
         if effect:

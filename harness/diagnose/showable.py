@@ -48,7 +48,7 @@ def update_summary(cell) -> dict:
 
     out = {}
     for side in cell.sides:
-        sketch = cell.sketches.get(side)
+        sketch = cell.sketch(side)
         if sketch is None or sketch.init is None or not len(sketch.rows):
             continue
         rows = np.vstack([sketch.init[None], sketch.rows])
