@@ -123,3 +123,34 @@ def test_the_rule_catches_a_side_importing_the_diagnosis():
     assert stage_of("harness.diagnose.compare") not in STAGES[stage_of("scratch_grpo.train")]
     assert stage_of("trl_runner.runner") not in STAGES[stage_of("harness.rollouts.lockstep")]
     assert stage_of("scratch_grpo.core") not in STAGES[stage_of("trl_runner.translate")]
+
+
+# the diagnosis in small parts (issue 46): a stage is a small file, and a function does one job
+DIAGNOSE = ROOT / "harness" / "diagnose"
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 80
+
+
+def too_long(path: Path) -> list[str]:
+    """What in one file breaks the size rule: the file itself, and each function (its nested ones inside it)."""
+    text = path.read_text()
+    found = [f"{path.name}: {len(text.splitlines())} lines"] if len(text.splitlines()) > MAX_FILE_LINES else []
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{path.name}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_the_diagnosis_is_in_small_files_and_functions():
+    bad = [b for path in sorted(DIAGNOSE.rglob("*.py")) for b in too_long(path)]
+    assert not bad, f"over {MAX_FILE_LINES} lines a file or {MAX_FUNCTION_LINES} a function:\n  " + "\n  ".join(bad)
+
+
+def test_the_size_rule_sees_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}\n")
+    assert too_long(tmp_path / "long.py") == [f"long.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
+    (tmp_path / "short.py").write_text(f"def f():\n{body[:body.rindex(chr(10))]}\n")
+    assert too_long(tmp_path / "short.py") == []
