@@ -144,52 +144,23 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
              store: ScratchStore | None = None, backend=None) -> dict:
     """One cell: both loops, the comparison, the attribution. Never raises for a failing run: the verdict says.
     `store`: scratch runs shared by the matrix's cells and re-runs (pairs.ScratchStore). `backend`: where its
-    pairs run (backends.InProcess when None)."""
+    pairs run (backends.InProcess when None). The pair hands on the cell (CellData), read once; every step after
+    takes it: the attribution (or your loop's explanation), why a toggle cannot show, the float32 re-check."""
     backend = backend or InProcess()
     t0 = time.perf_counter()
     v = {"name": cell.name, "dir": str(cell_dir), "toggles": cell.toggles, "expected": cell.expected,
          "expected_cause": cell.expected_cause}
     try:
-        def pair():
-            return backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store, keep=True)
-
-        data = own_pair(cell.spec, mode, pair) if tuple(cell.sides) == ("scratch", "trl") else pair()
+        data = _pair(cell, cell_dir, mode, progress, store, backend)
         result = data.comparison
-        v["sides"] = list(cell.sides)
-        v["verdict"] = "parity" if result["first_divergence"] is None else "diverged"
-        v["first_divergence"] = result["first_divergence"]
+        v.update(sides=list(cell.sides), verdict="parity" if result["first_divergence"] is None else "diverged",
+                 first_divergence=result["first_divergence"])
         details = attribute(cell, result, cell_dir, mode, progress, log, store, backend, data=data)
-        v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
-        v["attribution_detail"] = details
-        v["metrics"] = _summary_metrics(result)
-        v["tolerance"] = {"mode": result.get("tolerance_mode", "static"), "k": result.get("k_noise")}
-        v["only_in"] = {cell.sides[0]: result["only_in_a"], cell.sides[1]: result["only_in_b"]}
-        v["notes"] = result["notes"]
-        if result.get("defined_differently"):  # your loop: only statistics part, training agrees
-            v["defined_differently"] = result["defined_differently"]
-        v["updates"] = update_summary(data)
-        lost = lost_updates_warning(cell.spec, v["updates"])
-        if lost:
-            v["notes"].append(lost)
+        _describe(v, cell, data, details)
         if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
-            why = exact_reason(cell.expected_cause, data, details)
-            if why is None and precision.wants_float32(cell, mode):  # or only bf16's rounding hid it
-                found = _in_float32(cell, v, log, lambda: precision.escalate(cell, data, mode, progress, log, store,
-                                                                               backend, attribute, own_pair))
-                why = found["words"] if found else None
-            if why is None:
-                why = small_effect_reason(result, data, cell.spec, details, v["updates"])
-            if why:
-                v["cannot_show"] = why
+            _no_effect(v, cell, data, details, mode, progress, log, store, backend)
         elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it
-            found = _in_float32(cell, v, log, lambda: precision.escalate_loop(cell, data, log, explain))
-            if found is None:
-                v["precision"].update(loop=True, words=f"the float32 check of your loop failed "
-                                      f"({v['precision']['error'][:300]}); the {cell.spec.DTYPE} parity stands unchecked")
-            if found and found["finding"]:
-                v["cannot_show"] = found["words"]  # the table: "shows in float32 only (see below)"
-            else:
-                v["notes"].append(v["precision"]["words"])
+            _loop_in_float32(v, cell, data, log)
     except LoopError as e:  # your loop broke the contract: say where, keep the rest of the run
         v.update(verdict="error", error=str(e), first_divergence=None, attribution=[], metrics={})
     except Exception as e:  # one failing cell never takes the others down
@@ -202,6 +173,57 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
         v["ok"] = True
     v["wall_s"] = round(time.perf_counter() - t0, 1)
     return v
+
+
+def _pair(cell: Cell, cell_dir: Path, mode: str, progress: bool, store, backend):
+    """The cell's pair, as a CellData; a scratch-against-TRL pair where other cells' re-runs can find it."""
+    def pair():
+        return backend.run_pair(cell.spec, cell_dir, mode, progress, sides=cell.sides, store=store, keep=True)
+
+    return own_pair(cell.spec, mode, pair) if tuple(cell.sides) == ("scratch", "trl") else pair()
+
+
+def _describe(v: dict, cell: Cell, data, details: list[dict]) -> None:
+    """The cell's entry from its comparison and attribution: causes, metrics, tolerance, notes, weight updates."""
+    result = data.comparison
+    v["attribution"] = [d["cause"] for d in details if d["status"] != "no measured effect"]
+    v["attribution_detail"] = details
+    v["metrics"] = _summary_metrics(result)
+    v["tolerance"] = {"mode": result.get("tolerance_mode", "static"), "k": result.get("k_noise")}
+    v["only_in"] = {cell.sides[0]: result["only_in_a"], cell.sides[1]: result["only_in_b"]}
+    v["notes"] = result["notes"]
+    if result.get("defined_differently"):  # your loop: only statistics part, training agrees
+        v["defined_differently"] = result["defined_differently"]
+    v["updates"] = update_summary(data)
+    lost = lost_updates_warning(cell.spec, v["updates"])
+    if lost:
+        v["notes"].append(lost)
+
+
+def _no_effect(v: dict, cell: Cell, data, details: list[dict], mode: str, progress: bool, log, store,
+               backend) -> None:
+    """A toggle at parity: why it cannot show (exactly, or as a float32 cell shows, or because the effect is small)."""
+    why = exact_reason(cell.expected_cause, data, details)
+    if why is None and precision.wants_float32(cell, mode):  # or only bf16's rounding hid it
+        found = _in_float32(cell, v, log, lambda: precision.escalate(cell, data, mode, progress, log, store, backend,
+                                                                       attribute, own_pair))
+        why = found["words"] if found else None
+    if why is None:
+        why = small_effect_reason(data.comparison, data, cell.spec, details, v["updates"])
+    if why:
+        v["cannot_show"] = why
+
+
+def _loop_in_float32(v: dict, cell: Cell, data, log) -> None:
+    """Your loop at parity in bf16: the float32 cell, and what it says (a finding goes in the table)."""
+    found = _in_float32(cell, v, log, lambda: precision.escalate_loop(cell, data, log, explain))
+    if found is None:
+        v["precision"].update(loop=True, words=f"the float32 check of your loop failed "
+                              f"({v['precision']['error'][:300]}); the {cell.spec.DTYPE} parity stands unchecked")
+    if found and found["finding"]:
+        v["cannot_show"] = found["words"]  # the table: "shows in float32 only (see below)"
+    else:
+        v["notes"].append(v["precision"]["words"])
 
 
 def _in_float32(cell: Cell, v: dict, log, escalate) -> dict | None:
