@@ -257,6 +257,7 @@ class CauseSearch:
         self.errors: list[str] = []
         self.results: dict[frozenset, dict | None] = {}
         self.specs: dict[frozenset, object] = {}  # the resolved spec of each re-run
+        self.cells: dict[frozenset, object] = {}  # the re-runs this cell made, as cells (CellData): read once
 
     def run(self, aligned: frozenset) -> dict | None:
         """The comparison with the checks in `aligned` aligned (None when the re-run failed)."""
@@ -301,7 +302,7 @@ class CauseSearch:
                 bound = f" (at most {2 * len(self.checks) + 1})" if self.backend.slots <= 1 else ""  # prefetch: more
                 self.log(f"    re-run {n}{bound}: {', '.join(sorted(aligned))} aligned")
                 return self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
-                                             store=self.store)
+                                             store=self.store, keep=True)
 
             out = None
             try:
@@ -312,9 +313,11 @@ class CauseSearch:
                 self.errors.append(f"{type(e).__name__}: {e}")
             if out is not None and self.pairs:
                 try:
-                    self.pairs.keep(spec, self.mode, out)
+                    self.pairs.keep(spec, self.mode, getattr(out, "comparison", out))
                 except (OSError, ValueError, TypeError) as e:  # the re-run stands; a --resume makes it again
                     self.log(f"    (the re-run could not be kept for --resume: {e})")
+        if out is not None and not isinstance(out, dict):  # made here: a cell (its comparison serves the search)
+            self.cells[aligned], out = out, out.comparison
         self.results[aligned] = out
         return out
 
@@ -360,7 +363,7 @@ class CauseSearch:
         self.prefetch([frozenset(self.checks) - {c} for c in causes])
         for c in causes:
             out = self.run(frozenset(self.checks) - {c})
-            gaps[c] = _last_gaps(out) if out is not None else {}
+            gaps[c] = _last_gaps(out, self.cells.get(frozenset(self.checks) - {c})) if out is not None else {}
         shares = {c: {} for c in causes}
         for metric in ("weights", "loss", "reward"):
             total = sum(g.get(metric, 0.0) for g in gaps.values())
@@ -370,17 +373,19 @@ class CauseSearch:
         return shares
 
 
-def _last_gaps(result: dict) -> dict[str, float]:
-    """|a - b| at the last shared step: the weights' relative L2 distance (lockstep), the loss and the reward."""
+def _last_gaps(result: dict, data=None) -> dict[str, float]:
+    """|a - b| at the last shared step: the weights' relative L2 distance (lockstep), the loss and the reward.
+    `data`: the re-run as a cell (CellData), when this cell made it: its logs and sketches, not read again."""
+    from harness.diagnose.cell import read_sketch, relative_l2
     from harness.diagnose.compare import load_any_run
-    from harness.runlog.params import relative_l2
 
     runs = result.get("runs")
+    held = data.runs if data is not None else {}
     if isinstance(runs, dict):  # free: each side's seeds, averaged at the last step
         sides = list(runs.values())
         frames = [[load_any_run(p) for p in paths] for paths in sides]
     elif runs:
-        frames = [[load_any_run(runs[0])], [load_any_run(runs[1])]]
+        frames = [[held[Path(p).name] if Path(p).name in held else load_any_run(p)] for p in runs[:2]]
     else:
         return {}
     out = {}
@@ -392,7 +397,8 @@ def _last_gaps(result: dict) -> dict[str, float]:
         if None not in ends:
             out[metric] = abs(ends[0] - ends[1])
     if runs and not isinstance(runs, dict):
-        rel = relative_l2(runs[0], runs[1])
+        sketches = data.sketches if data is not None else {}
+        rel = relative_l2(*(sketches[str(p)] if str(p) in sketches else read_sketch(Path(p)) for p in runs[:2]))
         if rel:
             out["weights"] = float(rel[-1])
     return out

@@ -229,7 +229,8 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     if mode == "free":
         result = run_free_pair(spec, out_dir, progress, sides=sides)
         return CellData(spec, out_dir, tuple(sides), mode, result) if keep else result
-    records, envelope, notes, (tok, eos, device) = _scratch_side(spec, out_dir, progress, store)
+    held = ({}, {}) if keep else None  # what the pair reads on the way, for the cell: logs, sketches
+    records, envelope, notes, (tok, eos, device) = _scratch_side(spec, out_dir, progress, store, held)
     broken = []
     for side in sides:
         if side == "trl":
@@ -239,8 +240,14 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
         elif side == "yours":
             loop_rollouts = write_loop_rollouts(spec, records, out_dir / LOOP_ROLLOUTS_FILE)
             _train("yours", spec, out_dir / "yours", progress, rollouts=loop_rollouts)
-    sketches = {str(out_dir / side): read_sketch(out_dir / side) for side in sides} if keep else None
-    result, runs = compare_loaded(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope, sketches)
+    sketches = None
+    if keep:
+        sketches = held[1]
+        for side in sides:
+            if str(out_dir / side) not in sketches:
+                sketches[str(out_dir / side)] = read_sketch(out_dir / side)
+    result, runs = compare_loaded(spec, out_dir / sides[0], out_dir / sides[1], "lockstep", envelope, sketches,
+                                  runs={k: v for k, v in held[0].items() if k in sides} if keep else None)
     result["notes"] += notes
     if broken:
         result["notes"].append(f"lockstep broke at {len(broken)} round(s) (first: round {broken[0] + 1}): TRL asked "
@@ -284,9 +291,9 @@ def make_scratch(spec, out_dir: Path, progress: bool = False, store: ScratchStor
     _scratch_side(spec, Path(out_dir), progress, store)
 
 
-def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | None):
+def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | None, held: tuple | None = None):
     """The scratch run of a lockstep pair, copied from `store` when it holds one: (its rollout records, the noise
-    envelope or None, notes, (tokenizer, eos ids, device))."""
+    envelope or None, notes, (tokenizer, eos ids, device)). `held`: see twin_envelope."""
     from harness.experiment.models import checkpoint_dir, eos_token_ids, generation_config, load_tokenizer, resolve_device
     from harness.rollouts.lockstep import ROLLOUTS_FILE, RecordingSource, ReplaySource
     from scratch_grpo.train import train as train_scratch
@@ -317,7 +324,7 @@ def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | Non
         if envelope is None:  # the noise twin: the same scratch run on the same rollouts, changed only in rounding
             train_scratch(spec, out_dir / "twin", rollout_source=ReplaySource(records), progress=progress,
                           noise_twin=True)
-            envelope = twin_envelope(out_dir / "scratch", out_dir / "twin")
+            envelope = twin_envelope(out_dir / "scratch", out_dir / "twin", held)
             noise.save(envelope, out_dir, noise.k_of(load_tolerances()),
                        str(out_dir / "twin"))
     if store is not None:
@@ -325,11 +332,14 @@ def _scratch_side(spec, out_dir: Path, progress: bool, store: ScratchStore | Non
     return records, envelope, notes, (tok, eos, device)
 
 
-def twin_envelope(plain_dir: Path, twin_dir: Path):
-    """The noise envelope of a plain scratch run and its noise twin (both run folders)."""
-    from harness.runlog.params import relative_l2
-
-    return noise.envelope(load_any_run(plain_dir), load_any_run(twin_dir), relative_l2(twin_dir, plain_dir))
+def twin_envelope(plain_dir: Path, twin_dir: Path, held: tuple[dict, dict] | None = None):
+    """The noise envelope of a plain scratch run and its noise twin (both run folders). `held`: (metric logs by side
+    folder name, sketches by run folder path), a cell's in the making: the plain run's log and sketch read here go
+    there, for the comparison after."""
+    plain, plain_sketch = load_any_run(plain_dir), read_sketch(plain_dir)
+    if held is not None:
+        held[0][Path(plain_dir).name], held[1][str(plain_dir)] = plain, plain_sketch
+    return noise.envelope(plain, load_any_run(twin_dir), relative_l2(read_sketch(twin_dir), plain_sketch))
 
 
 def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> dict:
