@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
-from harness.diagnose.explain import scratch_as_trl, settings_from_log, trl_fields
+from harness.diagnose.explain import scratch_as_trl, trl_fields
+from harness.diagnose.logged import settings_from_log
 from harness.diagnose.matrix import run_matrix
 from harness.diagnose.search import Trial, trl_moves
 from harness.diagnose.verdict import format_verdict
@@ -593,7 +594,7 @@ def test_a_loops_reward_weights_are_read_from_its_logged_reward(tmp_path):
 def test_a_logged_reward_that_is_the_spec_weights_times_a_factor_is_not_read_as_weights():
     """A loop that logs the sum of its rewards (16x the mean) fits weights 16 x [1, 0.5]: that is how it logs, not
     how it weighs (group-scaled advantages ignore the factor); other proportions are weights."""
-    from harness.diagnose.explain import reward_weights_from_log
+    from harness.diagnose.logged import reward_weights_from_log
 
     spec = load_spec(DEFAULT_SPEC)  # weights [1.0, 0.5]
     rounds = [{"reward_correct": [1.0, 0.0, 1.0, 1.0], "reward_format": [1.0, 1.0, 0.0, 1.0]},
