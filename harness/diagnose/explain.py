@@ -46,12 +46,13 @@ from pathlib import Path
 from harness.diagnose import identify
 from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
+from harness.diagnose.explain_words import (below_rounding_words, clip_alike_words, defined_differently_words,
+                                            escalated_words, found_how, loss_in_value_words, sentence, write_table)
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.search import Search, Trial, _same, _with, trl_moves
+from harness.diagnose.search import Search, Trial, _same, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words
-from harness.runlog.atomic import atomic_write_text
 from trl_runner.translate import NORM_OF_LOSS_TYPE
 
 # the fields an exactly recomputed tensor settles (where all its alike candidates agree on them): once kept, the
@@ -92,21 +93,6 @@ def untold_words(search, changes: dict) -> list[str]:
                        + f" instead of {toml_value(have)}, the built-in loop reproduces your loop over all "
                        f"{search.steps} steps as well (the effect stays under the tolerance here)")
     return out
-
-
-def clip_alike_words(found: float, alike: list[float], norms: list[float], steps: int) -> str:
-    """Said when other gradient-clipping thresholds (`alike`, each run over every step) reproduce your loop as well
-    as the one the table names: the run cannot tell them apart. With your loop's logged (pre-clip) gradient norms,
-    how many steps each clips: a threshold below a step's norm scales that step's gradient, which Adam's
-    normalisation all but cancels."""
-    values = sorted({found, *alike})
-    named = ", ".join(f"{v:g}" for v in values[:-1]) + f" and {values[-1]:g}"
-    text = f"max_grad_norm: {named} each reproduce your loop over all {steps} steps, so the run cannot tell which it has"
-    if norms:
-        clips = ", ".join(f"{v:g}: {sum(n > v for n in norms) if v > 0 else 0}" for v in values)
-        text += (f" (steps each clips, of the {len(norms)} your loop logged: {clips}; Adam all but cancels the scale "
-                 "of a clipped gradient)")
-    return text + f"; the table says {found:g}"
 
 
 def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, str] | None = None,
@@ -232,7 +218,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     if state.agree < search.steps:
         where = (f"; even it parts at step {state.agree + 1} on {', '.join(state.outside[:4])}" if state.outside
                  else "")
-        closest = _sentence(trl, quirks, None) if changes else "the spec's own settings"
+        closest = sentence(trl, quirks, None) if changes else "the spec's own settings"
         text = f"no setting the search knows matches your loop at every step (closest: {closest}{where}); "
         if value_only is not None:
             text += (f"judged without your logged loss, whose value alone parted at step {value_only} while the "
@@ -249,7 +235,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
             text += "; the tensor diff found, link by link: " + "; ".join(f"{c['tensor']}: {c['how']}" for c in links)
         path, cell = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
         if changes:  # every difference found, each marked by how it was found: the table to start from
-            _write_table(path, trl, quirks, cell, search.runs, "suspected", _found_how(differences))
+            write_table(path, trl, quirks, cell, search.runs, "suspected", found_how(differences))
         entry.update(status="suspected", evidence=text, fix={"trl": trl, "scratch": quirks, "sentence": text},
                      runs=search.runs, **({"written": str(path)} if changes else {}))
         log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
@@ -264,25 +250,25 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
         confirmed_by_trl = _trl_check(spec, trl, data, root / "trl-with-table", value_only)
         search.runs += 1
-    sentence = _sentence(trl, quirks, path)
+    said = sentence(trl, quirks, path)
     if escalated is not None:
-        sentence += (f" ({'checked' if search.escalated_from.get('checked') else 'found'} in float32: "
-                     f"{escalated_words(search.escalated_from, spec_dtype)})")
+        said += (f" ({'checked' if search.escalated_from.get('checked') else 'found'} in float32: "
+                 f"{escalated_words(search.escalated_from, spec_dtype)})")
     if derived:
-        sentence += "; " + defined_differently_words(derived, final)
+        said += "; " + defined_differently_words(derived, final)
     if final.get("loss_in_value_only"):
-        sentence += "; " + loss_in_value_words(final)
+        said += "; " + loss_in_value_words(final)
     ok = not weights_off and final_fd is None and confirmed_by_trl is not False
     status = "confirmed" if ok else "suspected"
     if weights_off:
-        sentence += ("; but the final weights still differ beyond tolerance: a difference no logged metric shows "
-                     "(log grad_norm, or save the weights at more steps)")
+        said += ("; but the final weights still differ beyond tolerance: a difference no logged metric shows "
+                 "(log grad_norm, or save the weights at more steps)")
     elif final_fd is not None:
-        sentence += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
+        said += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
     if confirmed_by_trl is False:
-        sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
-    _write_table(path, trl, quirks, cell, search.runs, status, _found_how(differences))
-    entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
+        said += "; but TRL with that table still parts from your loop (a bug on one side?)"
+    write_table(path, trl, quirks, cell, search.runs, status, found_how(differences))
+    entry.update(status=status, evidence=said, fix={"trl": trl, "scratch": quirks, "sentence": said},
                  runs=search.runs, written=str(path), defined_differently=derived, matched_by=state.folder,
                  confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
     entry["cost"] = {**cost, "runs": search.runs - cost["look_alike_runs"], "seconds": round(time.perf_counter() - t0, 1)}
@@ -340,51 +326,6 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     again.save()
     data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={})
     return spec32, again, state32, trace, data32
-
-
-def escalated_words(where: dict, dtype: str) -> str:
-    if where.get("checked"):
-        said = (f"in {dtype} the explanation agreed at every step, and was checked in float32 on the same rollouts "
-                "(your loop and the built-in loop again), where rounding hides less")
-    else:
-        said = (f"in {dtype} the search's best agreed through step {where['agree']} and what was left from step "
-                f"{where['at_step']} was below its rounding, so your loop and the search were re-run in float32 on "
-                "the same rollouts")
-    if where.get("loop_ignores_dtype"):
-        said += (" (your loop's float32 run logged exactly what its bf16 run did, step for step: does it read DTYPE "
-                 "from PARITY_SPEC?)")
-    return said
-
-
-def below_rounding_words(where: dict, dtype: str) -> str:
-    """Why the search stopped where only changes below the run's rounding did better."""
-    said = " or ".join(_with(c, "").strip() for c in where["changes"])
-    return (f"from step {where['at_step']} the changes that bring the two back inside tolerance ({said}) move no "
-            f"metric beyond the bound from the current set: in {dtype} what is left cannot be told from rounding "
-            f"noise (run the cell with DTYPE = \"float32\" to tell it apart)")
-
-
-_HOW_TRL_LOGS = {"kl": "a mean over each micro-batch's completion tokens, micro-batches cut from the shuffled batch, "
-                       "then over micro-batches", "entropy": "as kl: per micro-batch of the shuffled batch, then over them",
-                 "clip_ratio/": "per micro-batch of the shuffled batch, then over them",
-                 "reward": "the batch mean of the weighted sum of the reward functions",
-                 "completions/": "token counts through the first eos"}
-
-
-_TRAINS = {"param_rel_l2": "the final weights"}  # the training metrics' names in a sentence
-
-
-def defined_differently_words(metrics: list[str], comparison: dict) -> str:
-    """'kl is defined differently in your loop (TRL: ...); training agrees (...)'."""
-    hows = []
-    for m in metrics:
-        how = next((v for k, v in _HOW_TRL_LOGS.items() if m == k or (k.endswith("/") and m.startswith(k))
-                    or m.startswith(k + "_")), None)
-        hows.append(f"{m} (TRL's: {how})" if how else m)
-    trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in comparison.get("metrics", {})
-              and not (m == "loss" and comparison.get("loss_in_value_only"))]
-    return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
-            f"training agrees ({', '.join(_TRAINS.get(m, m) for m in trains)} within tolerance at every step)")
 
 
 def settled_by(found: dict | None) -> tuple:
@@ -610,58 +551,3 @@ def _loss_in_value_only(result: dict, value_only: int | None) -> dict:
                                  "agrees": ["grad_norm", "param_rel_l2"]}
     out["notes"].append("your loss differs in value alone: " + loss_in_value_words(out))
     return out
-
-
-def loss_in_value_words(result: dict) -> str:
-    """'your logged loss is defined otherwise in value (...), while grad_norm and the final weights agree ...'."""
-    v = result["loss_in_value_only"]
-    return (f"your logged loss is defined otherwise in value (outside tolerance from step {v['from_step']}), while "
-            f"{' and '.join(_TRAINS.get(m, m) for m in v['agrees'])} agree at every compared step: a loss whose "
-            "gradient agrees with TRL's within tolerance and whose value does not (-logp * A, say, where TRL's is "
-            "-ratio * A with the ratio 1; or a mean over micro-batches logged in place of their sum)")
-
-
-def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
-    parts = []
-    if trl:
-        parts.append(f"your loop is TRL with {', '.join(f'{k} = {toml_value(v)}' for k, v in trl.items())}"
-                     + (f" (written to {path})" if path else ""))
-    if quirks:
-        said = "; ".join(words(k, v).removeprefix("your loop ") for k, v in quirks.items())
-        scratch = ", ".join(f"{k} = {toml_value(v)}" for k, v in quirks.items())
-        parts.append(("plus" if trl else "your loop is TRL except that it") + f" {said}: TRL has no setting for "
-                     f"{'it' if len(quirks) == 1 else 'these'} (the built-in loop with {scratch} matches your loop)")
-    return ", ".join(parts) if parts else "your loop is TRL as the spec sets it up"
-
-
-def _found_how(differences: list[dict]) -> dict:
-    """How each difference was found, by spec field and by the TRL fields it moves: read from your tensors, read
-    from your log, by the tensor diff, or by the search."""
-    out = {}
-    for d in differences:
-        how = ("read from what your loop saved" if d.get("identified") else "read from your log" if d.get("read_from_log")
-               else "by the tensor diff" if d.get("from_tensors") else "by the search")
-        out[d["field"]] = how
-        out.update({k: how for k in d.get("trl") or {}})
-    return out
-
-
-def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, status: str, how: dict | None = None) -> None:
-    """The [trl] table (and the quirks as comments), each line marked by how it was found and whether the whole
-    was confirmed (the built-in loop, and TRL where no quirk is left, with all of it reproduce your loop at every
-    step) or is suspected (the closest the search came: each line is still what was found, the whole is not shown)."""
-    what = ("does what your loop does" if not quirks else "does what your loop does but for the quirks below, which "
-            "TRL cannot set") if status == "confirmed" else ("comes closest to your loop (suspected, not confirmed: "
-                                                             "see the verdict)")
-    mark = "confirmed" if status == "confirmed" else "suspected"
-    lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields added to the spec's own [trl] table (a field it "
-             f"sets already takes the value here) {what}",
-             f"# on the same rollouts (cell {cell}, {runs} runs of the search).",
-             "[trl]"]
-    for k, v in trl.items():  # each with how it was found, on the line above it
-        lines += [f"# {mark}, {(how or {}).get(k, 'by the search')}", f"{k} = {toml_value(v)}"]
-    if quirks:
-        lines += ["", "# What TRL has no setting for; the built-in loop reproduces it with these spec fields:"]
-        lines += [f"# {k} = {toml_value(v)}    ({words(k, v)}; {mark}, {(how or {}).get(k, 'by the search')})"
-                  for k, v in quirks.items()]
-    atomic_write_text(path, "\n".join(lines) + "\n")
