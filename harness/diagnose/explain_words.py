@@ -1,8 +1,9 @@
 """The explanation's words: what `explain` says of your loop, and the TRL table it writes.
 
-- the sentences of an entry: `sentence` (your loop in TRL's terms), `escalated_words` and `below_rounding_words`
-  (the float32 re-check and why a search stopped), `defined_differently_words` and `loss_in_value_words` (what
-  parts that is not training), `clip_alike_words` (clipping thresholds the run cannot tell apart);
+- the sentences of an entry: `sentence` (your loop in TRL's terms), `suspected_words` and `confirmed_words` (the
+  evidence of each status), `float32_notes`, `escalated_words` and `below_rounding_words` (the float32 re-check and
+  why a search stopped), `defined_differently_words` and `loss_in_value_words` (what parts that is not training),
+  `clip_alike_words` (clipping thresholds the run cannot tell apart);
 - `found_how`: how each difference was found; `write_table`: your_loop_in_trl.toml, each line marked by it.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.diagnose.fields import toml_value, words
-from harness.diagnose.search import _with
+from harness.diagnose.search import _same, _with
 from harness.runlog.atomic import atomic_write_text
 
 
@@ -130,3 +131,69 @@ def defined_differently_words(metrics: list[str], comparison: dict) -> str:
               and not (m == "loss" and comparison.get("loss_in_value_only"))]
     return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
             f"training agrees ({', '.join(_TRAINS.get(m, m) for m in trains)} within tolerance at every step)")
+
+
+def float32_notes(where: dict, changes: dict, dtype: str) -> list[str]:
+    """The notes of a float32 re-check (`where`: the float32 search's `escalated_from`; `changes`: what it kept;
+    `dtype`: the cell's): how it went, what float32 did without, and what it showed that `dtype`'s rounding hid."""
+    notes = [escalated_words(where, dtype)]
+    was = where["found"]
+    only32 = {k: v for k, v in changes.items() if k not in was or not _same(was[k], v)}
+    dropped = [k for k in was if k not in changes]
+    if dropped:
+        notes.append(f"in float32 the search did without {', '.join(dropped)}, which {dtype} had kept")
+    if only32:  # what bf16's noise hid: named, and marked as seen in float32 only
+        notes.append(f"shown in float32 only (under {dtype}'s rounding in the {dtype} run): "
+                     + "; ".join(words(k, v).removeprefix("your loop ") for k, v in only32.items()))
+    return notes
+
+
+def suspected_words(trl: dict, quirks: dict, state, value_only: int | None, below_rounding: dict | None, dtype: str,
+                    findings, diff: dict | None) -> str:
+    """The evidence of a suspected explanation: the closest the search came (`state`, its best trial) and where even
+    it parts, why the search stopped, what your tensors show that no switch reproduces (`findings`, identify's) and
+    the tensor diff's links (`diff`)."""
+    where = (f"; even it parts at step {state.agree + 1} on {', '.join(state.outside[:4])}" if state.outside
+             else "")
+    closest = sentence(trl, quirks, None) if state.changes else "the spec's own settings"
+    text = f"no setting the search knows matches your loop at every step (closest: {closest}{where}); "
+    if value_only is not None:
+        text += (f"judged without your logged loss, whose value alone parted at step {value_only} while the "
+                 "gradient norm agreed at that step; ")
+    if below_rounding:  # what would do better is rounding: at this precision the rest is noise
+        text += below_rounding_words(below_rounding, dtype)
+    else:
+        text += "the difference is outside what TRL and the built-in loop's switches can be set to"
+    apart = [f.rule for f in findings if f.no_switch or not f.exact]
+    if apart:
+        text += "; read from your tensors, what no switch reproduces: " + "; ".join(apart)
+    links = [c for c in (diff or {}).get("chain", []) if c.get("independent") or c.get("only_yours")]
+    if links:
+        text += "; the tensor diff found, link by link: " + "; ".join(f"{c['tensor']}: {c['how']}" for c in links)
+    return text
+
+
+def confirmed_words(trl: dict, quirks: dict, path: Path, final: dict, by_trl: bool | None, escalated: dict | None,
+                    dtype: str) -> str:
+    """The evidence of an explanation that agrees at every step on what training computes: your loop in TRL's terms,
+    how the float32 re-check went (`escalated`: its `escalated_from`, None where there was none; `dtype`: the
+    cell's), what parts that is not training, and what still parts in the whole comparison (`final`) or with TRL
+    itself (`by_trl` False)."""
+    said = sentence(trl, quirks, path)
+    if escalated is not None:
+        said += (f" ({'checked' if escalated.get('checked') else 'found'} in float32: "
+                 f"{escalated_words(escalated, dtype)})")
+    derived = final.get("defined_differently", [])
+    if derived:
+        said += "; " + defined_differently_words(derived, final)
+    if final.get("loss_in_value_only"):
+        said += "; " + loss_in_value_words(final)
+    final_fd = final.get("first_divergence")
+    if "param_rel_l2" in final.get("outside", []):
+        said += ("; but the final weights still differ beyond tolerance: a difference no logged metric shows "
+                 "(log grad_norm, or save the weights at more steps)")
+    elif final_fd is not None:
+        said += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
+    if by_trl is False:
+        said += "; but TRL with that table still parts from your loop (a bug on one side?)"
+    return said
