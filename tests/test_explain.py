@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
-from harness.diagnose.explain import scratch_as_trl, settings_from_log, trl_fields
+from harness.diagnose.explain import scratch_as_trl, trl_fields
+from harness.diagnose.logged import settings_from_log
 from harness.diagnose.matrix import run_matrix
 from harness.diagnose.search import Trial, trl_moves
 from harness.diagnose.verdict import format_verdict
@@ -474,7 +475,7 @@ def test_a_change_below_the_runs_rounding_is_not_kept_though_it_brings_a_step_in
     1.5 bounds away, beta is kept and the epsilon is not; the search says where it stopped and why."""
     import scratch_grpo.train
     from harness.diagnose.compare import load_tolerances, tolerance_for
-    from harness.diagnose.explain import below_rounding_words
+    from harness.diagnose.explain_words import below_rounding_words
     from harness.diagnose.search import Search
 
     t = tolerance_for(load_tolerances(), "lockstep", "float32", "loss")
@@ -512,7 +513,8 @@ def test_a_search_stopped_below_bf16_rounding_is_run_again_in_float32(tmp_path, 
     import loop_runner.run
     import scratch_grpo.train
     from harness.diagnose.compare import load_tolerances, tolerance_for
-    from harness.diagnose.explain import escalated_words, in_float32
+    from harness.diagnose.explain import in_float32
+    from harness.diagnose.explain_words import escalated_words
     from harness.diagnose.search import Search
 
     t = tolerance_for(load_tolerances(), "lockstep", "float32", "loss")
@@ -593,7 +595,7 @@ def test_a_loops_reward_weights_are_read_from_its_logged_reward(tmp_path):
 def test_a_logged_reward_that_is_the_spec_weights_times_a_factor_is_not_read_as_weights():
     """A loop that logs the sum of its rewards (16x the mean) fits weights 16 x [1, 0.5]: that is how it logs, not
     how it weighs (group-scaled advantages ignore the factor); other proportions are weights."""
-    from harness.diagnose.explain import reward_weights_from_log
+    from harness.diagnose.logged import reward_weights_from_log
 
     spec = load_spec(DEFAULT_SPEC)  # weights [1.0, 0.5]
     rounds = [{"reward_correct": [1.0, 0.0, 1.0, 1.0], "reward_format": [1.0, 1.0, 0.0, 1.0]},
@@ -633,7 +635,7 @@ def test_old_log_probs_equal_to_the_current_ones_are_not_named():
 def test_clip_thresholds_that_reproduce_the_loop_alike_are_all_named():
     """Known answer: logged norms 0.007, 0.58, 0.9, 2.0; 0.1 and 0.5 both reproduce the loop (theLMbook's clips at
     0.1; the search keeps 0.5): both named, with the steps each clips, and which one the table holds."""
-    from harness.diagnose.explain import clip_alike_words
+    from harness.diagnose.explain_words import clip_alike_words
 
     said = clip_alike_words(0.5, [0.1], [0.9, 0.007, 2.0, 0.58], 30)
     assert said.startswith("max_grad_norm: 0.1 and 0.5 each reproduce your loop over all 30 steps"), said

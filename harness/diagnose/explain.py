@@ -1,57 +1,44 @@
-"""Explain your loop: every setting in which it differs from TRL, in TRL's terms where TRL has a setting, in words
-where it has none.
+"""Explain your loop: every setting in which it differs from TRL, in TRL's terms where TRL has a setting (a runnable
+`[trl]` table, your_loop_in_trl.toml), in words where it has none (a quirk, named with the built-in loop's spec field
+that reproduces it).
 
-The harness cannot flip switches inside a user's loop, so the search turns around: replaying the same lockstep
-rollouts, it runs the built-in loop (scratch_grpo, which matches TRL setting for setting) with candidate spec fields
-until its log matches your loop's, step by step. Its vocabulary is the spec: the fields TRL has a setting for
-(loss_type, scale_rewards, beta, use_bias_correction_kl, the optimizer and the schedule, ...) and the quirks of
-hand-written loops that TRL cannot express (a std epsilon other than 1e-4, the population std, the eos token out of
-the loss, pad = eos in attention, a NaN micro-batch skipped, another KL estimator, ...); at equal scores TRL's
-settings win. The fields TRL can express become a runnable `[trl]` table; the quirks are named in words with the
-scratch field that reproduces them.
+The harness cannot flip switches inside your loop, so the explanation turns around: on the cell's lockstep rollouts
+it runs the built-in loop (scratch_grpo, set up as TRL is: `scratch_as_trl`) with spec changes until its log matches
+your loop's, step by step. `explain` goes in one line:
 
-How it searches (several differences at once):
-- Settings a metric states are read, not searched: your loop's logged `learning_rate` gives the peak rate and the
-  schedule (`settings_from_log`).
-- Where your loop saved tensors (harness.loop.tensors), the tensor diff (tensordiff.py) names the first link of the
-  step's dataflow that differs; what it recomputed exactly is the first guess, kept as found.
-- Fields act from different steps: the advantages and the loss's shape change step 1's loss and gradient; the
-  learning rate, weight decay, gradient clipping, Adam's epsilon and a k3 KL penalty act through the first update
-  (step 2), as do the clip bounds where the ratio can leave 1 (step 1 trains the policy that generated its round);
-  Adam's betas and a decaying schedule through the second (step 3; the first Adam update is the same
-  for any beta). A round tries only the fields that can act at the first step where the runs part.
-- A candidate is judged first by how many steps it keeps the two in agreement, then by how many metrics are
-  outside at the first step where it parts, then by how far; it runs only until it parts from your loop (at
-  most `LOOKAHEAD` steps past the step it must fix). A field is kept whenever it extends the agreement (or, at
-  equal agreement, leaves fewer metrics outside); when no single change does, the `PAIR_POOL` closest are tried
-  in pairs (two differences acting at one step). The search goes on until parity or until nothing helps
-  (`MAX_FIELDS` fields at most), then drops what parity holds without (not what the tensors showed). The kept set
-  is then run over every step and compared as the cell was (final weights included); with no quirk in it, TRL
-  itself is run once with the written table to confirm it.
+- the cell: `CellData`, handed in by the pair or loaded once (cell.py);
+- the start (`Start`): what your loop's saved tensors settle (identify/), what its log states (logged.py: the
+  learning rate's schedule, the reward weights), where the two disagree, and the notes so far;
+- the tensor diff (tensordiff.py) and the guesses it gives (`Found`);
+- the search (search.py) from that start, the guesses first, for what is left; again judged without the logged loss
+  where only the loss's value parts;
+- the float32 re-check, where bf16's rounding hides the rest or before a full answer is claimed (`in_float32`);
+- the entry: the kept set over every step compared as the cell was, and TRL itself with the table where no quirk is
+  left (`_confirm`); worded as confirmed or suspected (explain_words.py: the sentences and the table).
 
-Agreement is judged on the metrics training computes (loss, grad_norm, learning_rate and any other both log), not
-on statistics of the completions or the policy (`DERIVED`: kl, entropy, clip ratios, rewards, lengths), which
-may be defined differently in your loop (a kl averaged over the round's tokens, say) while the training agrees:
-those are reported as defined differently, not searched for.
+How the search goes (its rounds, `LOOKAHEAD`, `PAIR_POOL`, `MAX_FIELDS`) is search.py's; docs/your-loop.md says it
+step by step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
-import statistics
 import time
 from pathlib import Path
 
 from harness.diagnose import identify
 from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
+from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
+                                            loss_in_value_words, suspected_words, write_table)
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
+from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.search import Search, Trial, _same, _with, trl_moves
+from harness.diagnose.search import Search, Trial, _same, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words
-from harness.runlog.atomic import atomic_write_text
 from trl_runner.translate import NORM_OF_LOSS_TYPE
 
 # the fields an exactly recomputed tensor settles (where all its alike candidates agree on them): once kept, the
@@ -73,127 +60,221 @@ def trl_fields(base, changes: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# settings a metric states: read from the log, not searched
+# what one step hands the next
 # ---------------------------------------------------------------------------------------------
-def settings_from_log(yours, spec, rates: list | None = None) -> tuple[dict, list[str], bool]:
-    """Spec changes your loop's logged `learning_rate` states (peak rate, schedule, warmup), and sentences saying
-    what was read. The logged rate is the step's own, or (read after the scheduler stepped, as many loops log it) the
-    next step's: both are tried, the step's own first. A series no named schedule fits (a warmup from a fraction of
-    the rate, a cosine to a floor, a decay over a horizon other than STEPS) is replayed as it is: LR_STEPS, one rate
-    per step. `rates`: the rate of each step your weights show (the optimizer stage's reading, None where a step had
-    no gradient): they tell a log a step ahead from the step's own, and the first step's rate the log does not show."""
-    from scratch_grpo.core import lr_multiplier
-
-    if "learning_rate" not in yours.columns:
-        return {}, [], False
-    lr = yours["learning_rate"].dropna().astype(float)
-    if lr.empty:
-        return {}, [], False
-    steps = [int(s) for s in lr.index]
-    fits = []
-    for ahead in (0, 1):  # the step's own rate, or the next step's (logged after the scheduler stepped)
-        for schedule in ("constant", "linear"):
-            rising = lr.iloc[0] < lr.max() or ahead  # (a log a step ahead hides the warmup's first step)
-            for warmup in sorted({0, spec.WARMUP_STEPS} | ({int(s) for s in steps[:12]} if rising else set())):
-                mult = [lr_multiplier(s - 1 + ahead, schedule, spec.STEPS, warmup) for s in steps]
-                peak_at = max(range(len(mult)), key=lambda i: mult[i])
-                if mult[peak_at] <= 0:
-                    continue
-                peak = float(lr.iloc[peak_at]) / mult[peak_at]
-                if peak > 0 and all(math.isclose(peak * m, float(v), rel_tol=1e-5, abs_tol=1e-12)
-                                    for m, v in zip(mult, lr)):
-                    fits.append((schedule, warmup, peak, ahead))
-        if ahead and rates and rates[0] is not None:  # the first step's rate, which a log a step ahead never shows
-            first = [f for f in fits if _near(f[2] * lr_multiplier(0, f[0], spec.STEPS, f[1]), rates[0], f[2])]
-            fits = first or fits
-        if fits and (ahead or not _ahead(list(lr), rates)):
-            break
-        fits = []
-    if not fits:
-        if steps != list(range(1, len(steps) + 1)):
-            shown = ", ".join(f"{v:.3g}" for v in lr.iloc[:4])
-            return {}, [f"your loop's logged learning_rate ({shown}, ...) follows no schedule the harness knows "
-                        "(constant or linear to 0 at STEPS, with a linear warmup) and skips steps: the search leaves "
-                        "the schedule as the spec has it"], False
-        per_step = [float(f"{v:.6g}") for v in lr]
-        said = []
-        if _ahead(per_step, rates):  # the weights show each logged rate at the next step
-            first = rates[0] if rates[0] is not None else 0.0
-            first = 0.0 if abs(first) < 1e-3 * max(per_step) else float(f"{first:.4g}")
-            per_step = [first, *per_step[:-1]]
-            said.append("your loop logs each step's learning_rate after its scheduler stepped (its weights show the "
-                        "rate it logs at a step used at the next): the rates per step are the log's a step later, the "
-                        f"first ({first:.4g}) read from its weights")
-        return {"LR_STEPS": per_step}, ["read from your loop's logged learning_rate: " + words("LR_STEPS", per_step)
-                                        .removeprefix("your loop ") + " (no constant or linear schedule with a warmup "
-                                        "fits it: the built-in loop replays it step by step)", *said], bool(said)
-    prefer = [f for f in fits if f[0] == spec.LR_SCHEDULE and f[1] == spec.WARMUP_STEPS] or fits
-    schedule, warmup, peak, ahead = prefer[0]
-    changes = {}
-    if not math.isclose(peak, spec.LR, rel_tol=1e-6):
-        changes["LR"] = float(f"{peak:.6g}")
-    if schedule != spec.LR_SCHEDULE and not (len(set(round(v, 15) for v in lr)) == 1 and schedule == "linear"):
-        changes["LR_SCHEDULE"] = schedule
-    if warmup != spec.WARMUP_STEPS:
-        changes["WARMUP_STEPS"] = warmup
-    said = []
-    if changes:
-        said.append("read from your loop's logged learning_rate: " + ", ".join(
-            words(k, v).removeprefix("your loop ") for k, v in changes.items())
-            + f" (the spec: {spec.LR:g}, {spec.LR_SCHEDULE}" + (f", warmup {spec.WARMUP_STEPS}" if spec.WARMUP_STEPS else "")
-            + ")")
-    ahead = bool(ahead) and len(set(round(v, 15) for v in lr)) > 1
-    if ahead:
-        said.append("your loop logs each step's learning_rate after its scheduler stepped: the rate it logs at a "
-                    "step is the next step's (logged otherwise, not a cause)")
-    return changes, said, ahead
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What your loop's tensors and log settle before any search: where the search starts and what it tries first."""
+    base: object  # the built-in loop set up as TRL (scratch_as_trl): what the search changes
+    read: dict  # the search's start: what your log states, with what your tensors settle
+    unsure: dict  # what the stages read but could not tell from look-alikes: tried first, kept only if it helps
+    identified: dict  # the fields read from what your loop saved (settled or not): "read from what your loop saved"
+    settles: tuple  # the fields the stages settle: a tensor guess leaves them out
+    settled: frozenset  # those the search never offers: what the stages settle, less what your log states otherwise
+    findings: tuple  # identify's findings, stage by stage
+    lr_ahead: bool  # your loop logs learning_rate after its scheduler stepped: not compared step by step
+    notes: tuple  # the notes so far: what parts first, what was read, the stages' words
 
 
-def _near(a: float, b: float, scale: float) -> bool:
-    """Two learning rates alike within a weights-read rate's noise (5%, or both below 0.1% of the peak)."""
-    return abs(a - b) <= max(0.05 * max(abs(a), abs(b)), 1e-3 * abs(scale))
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """The tensor diff and the guesses the search tries first."""
+    diff: dict | None  # the tensor diff's finding (None: no diff was made)
+    guesses: tuple  # changes tried first: the diff's, less what the stages read, and the stages' unsure one
+    exact_first: bool  # the first guess was recomputed exactly from your tensors: kept as found
+    notes: tuple  # the start's notes, with the diff's words
 
 
-def _ahead(logged: list[float], rates: list | None) -> bool:
-    """Whether the weights show each logged rate used at the next step (a log written after the scheduler stepped):
-    the mean relative misfit a step later is under a third of the step's own (a warmup's steps tell them apart)."""
-    if not rates:
-        return False
-
-    def misfit(ahead: int) -> float:
-        pairs = [(logged[i - ahead], r) for i, r in enumerate(rates) if r is not None and 0 <= i - ahead < len(logged)]
-        return statistics.fmean(abs(a - r) / max(abs(a), abs(r), 1e-30) for a, r in pairs) if pairs else math.inf
-    own, later = misfit(0), misfit(1)
-    return later < own / 3 and own > 0.02
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The set the search kept, in TRL's terms."""
+    trl: dict  # the GRPOConfig fields it moves (trl_fields): the table
+    quirks: dict  # the changes TRL has no setting for
+    differences: list  # each change: its field, value, TRL fields and words, and how it was found
 
 
-def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[dict, list[str]]:
-    """The reward functions' weights your loop's logged `reward` (each step's mean total reward) states: fitted over
-    the steps to each round's mean score per function (from your loop's rollouts file), where the spec's weights
-    do not give it and other weights do exactly (TRL's `reward_weights`). A loop with reward code of its own, or
-    that logs another mean, fits no weights and is left to the tensor diff and the search."""
-    from harness.diagnose.tensordiff import fit_reward_weights
+@dataclasses.dataclass(frozen=True)
+class Confirmation:
+    """The kept set over every step, compared as the cell was, and TRL itself with the table."""
+    final: dict  # the whole comparison (the loss judged out where it differs in value alone)
+    by_trl: bool | None  # TRL with the table at parity with your loop (None: not run, a quirk is left)
 
-    per_round = spec.STEPS_PER_GENERATION * spec.NUM_ITERATIONS
-    if "reward" not in yours.columns or not scores_by_round or spec.STEPS_PER_GENERATION > 1:
-        return {}, []  # (a step of a round's slice logs its slice's mean: not the round's)
-    logged = yours["reward"].dropna().astype(float)
-    steps = [int(s) for s in logged.index if (int(s) - 1) // per_round < len(scores_by_round)]
-    means = {name: [] for name in scores_by_round[0]}
-    for step in steps:
-        for name in means:
-            vals = [v for v in scores_by_round[(step - 1) // per_round].get(name, []) if v is not None]
-            means[name].append(sum(vals) / len(vals) if vals else None)
-    w = fit_reward_weights([float(logged[s]) for s in steps], means, atol=1e-5, rtol=1e-4)
-    spec_w = [float(v) for v in spec.rewards.weights]
-    if w is None or all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(w, spec_w)):
-        return {}, []
-    scale = [a / b for a, b in zip(w, spec_w) if b]
-    if len(scale) == len(w) and all(math.isclose(c, scale[0], rel_tol=1e-4) for c in scale):
-        return {}, []  # the spec's weights times one factor: a logged sum, or a mean over other counts, not weights
-    said = words("rewards.weights", w).removeprefix("your loop ")
-    return {"rewards.weights": w}, [f"read from your loop's logged reward over {len(steps)} steps: {said} (the spec: "
-                                    f"{spec_w})"]
+    @property
+    def weights_off(self) -> bool:
+        return "param_rel_l2" in self.final.get("outside", [])
+
+    @property
+    def by_scratch(self) -> bool:
+        return self.final.get("first_divergence") is None and not self.weights_off
+
+
+# ---------------------------------------------------------------------------------------------
+# the explanation
+# ---------------------------------------------------------------------------------------------
+def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, str] | None = None,
+            data=None) -> list[dict]:
+    """Explain the cell's divergence (your loop against TRL on the rollouts of `cell_dir`): the attribution entries,
+    the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
+    written table where no quirk is left, match your loop at every step; `suspected` otherwise). `table`: where
+    the TRL table goes and the cell it names (default: beside verdict.json, the cell folder's name)."""
+    from harness.diagnose import cell as cells
+
+    t0 = time.perf_counter()
+    cell_dir = Path(cell_dir)
+    data = data if data is not None else cells.load(spec, cell_dir, result)  # the cell, read once
+    yours = data.yours  # (the cell's dtype: the clipping look-alikes count its norms after a float32 re-check too)
+    root = cell_dir / "explain"
+    if root.exists():
+        shutil.rmtree(root)
+    start = _start(spec, data, result, log)
+    search = Search(start.base, yours, list(data.records), root, data.envelope, log)
+    if start.lr_ahead and "learning_rate" in search.judge.columns:  # logged a step ahead: not compared step by step
+        search.judge.columns.remove("learning_rate")
+    search.settled |= start.settled  # settled by your own tensors: the search leaves them
+    found = _found(spec, search, start, data, log)
+    state, trace, value_only = _searched(search, start, found, log)
+    spec_dtype, notes = spec.DTYPE, list(found.notes)
+    escalated = in_float32(spec, data, search, state, start.read, log)
+    if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
+        spec, search, state, trace, data = escalated
+        value_only = search.value_only
+        notes += float32_notes(search.escalated_from, state.changes, spec_dtype)
+    answer = _answer(search.base, state.changes, start, trace)
+    alike, cost = _look_alikes(search, state, yours)
+    entry = {"cause": "+".join(sorted(answer.trl) + sorted(answer.quirks)) or "your loop", "fields": sorted(answer.trl),
+             "quirks": answer.quirks, "differences": answer.differences, "trace": trace, "notes": notes + alike,
+             "cost": cost}
+    if found.diff:
+        entry["tensor_diff"] = {**found.diff, "words": tensor_words(found.diff)}
+    if start.findings:
+        entry["identified"] = [f.to_dict() for f in start.findings]
+    escalated_from = search.escalated_from if escalated is not None else None
+    if escalated_from is not None:
+        entry["precision"] = {"dtype": spec.DTYPE, "from": spec_dtype, **escalated_from}
+    at = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
+    if state.agree < search.steps:
+        evidence = suspected_words(answer.trl, answer.quirks, state, value_only, search.below_rounding, spec.DTYPE,
+                                   start.findings, found.diff)
+        return [_suspected(entry, answer, evidence, search, state, at, t0, log)]
+    # every step agrees on what training computes: the whole comparison, as the cell was judged
+    confirmation = _confirm(spec, data, search, state, answer, value_only, root)
+    evidence = confirmed_words(answer.trl, answer.quirks, at[0], confirmation.final, confirmation.by_trl,
+                               escalated_from, spec_dtype)
+    return [_confirmed(entry, answer, evidence, confirmation, search, state, at, t0, log)]
+
+
+def _start(spec, data, result: dict, log) -> Start:
+    """What your loop's tensors (identify, against the built-in loop set up as TRL) and its log (the learning rate,
+    the reward weights) settle, where the two disagree (the log's value stands), and the notes so far (logged as
+    they are said, up to the stages' words)."""
+    base = scratch_as_trl(spec)
+    findings = tuple(_identify(data, base, log))
+    opt = next((f for f in findings if f.stage == "optimizer" and f.readable), None)
+    read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None)
+    weights, weights_said = reward_weights_from_log(data.yours, base, list(data.scores))
+    read, said = {**read, **weights}, said + weights_said
+    fd = result.get("first_divergence") or {}
+    outside_first = sorted(m for m, v in result.get("metrics", {}).items()
+                           if isinstance(v, dict) and v.get("first_outside") == fd.get("step"))
+    notes = [f"at step {fd.get('step')} these are outside tolerance: {', '.join(outside_first)}"] if outside_first else []
+    notes += said
+    skipped = steps_logged_words(data.yours, spec)
+    if skipped:
+        notes.append(skipped)
+    for n in notes:
+        log(f"    {n}")
+    fixed, unsure, settles = identify.settings_of(findings)
+    if "LR_STEPS" in read:  # a schedule of your loop's own: the log's rates stand for the fit's
+        peak = max(read["LR_STEPS"])  # (the peak: TRL's learning_rate, the nearest it has)
+        if peak and not math.isclose(peak, base.LR, rel_tol=1e-6):
+            read["LR"] = peak
+        fixed = {k: v for k, v in fixed.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
+        unsure = {k: v for k, v in unsure.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
+    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v  # (a rate read within
+                and not (isinstance(v, float) and math.isclose(read[k], v, rel_tol=2e-3))}  # its fit's noise: alike)
+    for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
+        notes.append(f"{k}: your log states {toml_value(logged)}, your tensors show {toml_value(measured)}; the "
+                     "search starts from the log's")
+    fixed = {k: v for k, v in fixed.items() if k not in conflict}
+    unsure = {k: v for k, v in unsure.items() if k not in read}  # (a value your log states beats a fit's look-alike)
+    notes += identify.words(findings)
+    return Start(base=base, read={**read, **fixed}, unsure=unsure, identified={**fixed, **unsure}, settles=settles,
+                 settled=frozenset(set(settles) - set(conflict)), findings=findings, lr_ahead=lr_ahead,
+                 notes=tuple(notes))
+
+
+def _found(spec, search: Search, start: Start, data, log) -> Found:
+    """The tensor diff from the start, and the guesses it gives: its own, less what the stages read (settled or not:
+    read from your own tensors), the exact one first where anything of it is left; the stages' unsure reading
+    before them, or after the exact one."""
+    found = _tensor_diff(spec, search, start.read, data, log)
+    notes = list(start.notes)
+    first = ((found or {}).get("first") or {}).get("tensor")
+    if tensor_words(found) and not any(f.exact and f.stage == _STAGE_OF.get(first) for f in start.findings):
+        notes.insert(0, tensor_words(found))  # (a link the stages read exactly is said by them)
+    if (found or {}).get("skipped"):
+        notes.append("the tensor diff was skipped: " + found["skipped"])
+    raw = (found or {}).get("guesses", [])
+    exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", [])) and bool(raw)
+    guesses = []
+    for i, g in enumerate(raw):
+        g = {k: v for k, v in g.items() if k not in start.settles and k not in start.unsure}
+        if g and g not in guesses:
+            guesses.append(g)
+        elif i == 0:
+            exact_first = False
+    if start.unsure:  # what the stages read but could not tell from look-alikes: tried first, kept only if it helps
+        guesses.insert(1 if exact_first else 0, start.unsure)
+    return Found(found, tuple(guesses), exact_first, tuple(notes))
+
+
+def _searched(search: Search, start: Start, found: Found, log) -> tuple[Trial, list, int | None]:
+    """The search from the start, the guesses first: its best trial and trace, and the step from which it was judged
+    without your logged loss (None: with it), where only the loss's value parts and the gradient norm agrees."""
+    settles = settled_by(found.diff)
+    state, trace = search.run(start.read, list(found.guesses), found.exact_first, settles=settles)
+    value_only = None
+    if _loss_value_alone(search, state):  # -logp * A, say: judged again on the gradient
+        value_only = state.agree + 1
+        log(f"    explain: at step {value_only} only the loss's value parts, the gradient norm agrees: searched again "
+            "without the logged loss (judged on grad_norm; the final weights are compared at the end)")
+        search.without_loss(value_only)
+        state, trace = search.run(start.read, list(found.guesses), found.exact_first, settles=settles)
+    search.save()
+    return state, trace, value_only
+
+
+def _answer(base, changes: dict, start: Start, trace: list[dict]) -> Answer:
+    """The kept changes in TRL's terms, each difference marked by how it was found: read from your log, read from
+    what your loop saved, guessed from the tensor diff, or searched."""
+    from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
+    trl = trl_fields(base, changes) if changes else {}
+    quirks = {k: v for k, v in changes.items() if not trl_moves(base, {k: v})}
+    differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
+                    "read_from_log": k in start.read and k not in start.identified, "identified": k in start.identified,
+                    "from_tensors": k in from_tensors} for k, v in changes.items()]
+    return Answer(trl, quirks, differences)
+
+
+def _look_alikes(search: Search, state: Trial, yours) -> tuple[list[str], dict]:
+    """Where the kept set agrees at every step, what else does as well: other clipping thresholds (with your loop's
+    logged norms, `yours`) and the look-alike settings, each said as what the run could not tell. With the search's
+    cost, the look-alikes' runs counted apart."""
+    notes = []
+    changes = state.changes
+    if "MAX_GRAD_NORM" in changes and state.agree >= search.steps:  # which other thresholds do as well?
+        found_at = changes["MAX_GRAD_NORM"]
+        alike = [v for v in CLIP_NORMS if v != found_at
+                 and search.whole({**changes, "MAX_GRAD_NORM": v}).agree >= search.steps]
+        if alike:
+            norms = yours["grad_norm"].dropna().astype(float).tolist() if "grad_norm" in yours.columns else []
+            notes.append(clip_alike_words(found_at, alike, norms, search.steps))
+    runs, steps_run, seconds = search.runs, search.steps_run, search.seconds
+    if state.agree >= search.steps:  # what else reproduces it as well: the run cannot tell those apart
+        notes += untold_words(search, changes)
+    cost = {"runs": runs, "steps": steps_run, "seconds": round(seconds, 1),
+            "look_alike_runs": search.runs - runs, "look_alike_seconds": round(search.seconds - seconds, 1)}
+    return notes, cost
 
 
 def untold_words(search, changes: dict) -> list[str]:
@@ -218,201 +299,49 @@ def untold_words(search, changes: dict) -> list[str]:
     return out
 
 
-def clip_alike_words(found: float, alike: list[float], norms: list[float], steps: int) -> str:
-    """Said when other gradient-clipping thresholds (`alike`, each run over every step) reproduce your loop as well
-    as the one the table names: the run cannot tell them apart. With your loop's logged (pre-clip) gradient norms,
-    how many steps each clips: a threshold below a step's norm scales that step's gradient, which Adam's
-    normalisation all but cancels."""
-    values = sorted({found, *alike})
-    named = ", ".join(f"{v:g}" for v in values[:-1]) + f" and {values[-1]:g}"
-    text = f"max_grad_norm: {named} each reproduce your loop over all {steps} steps, so the run cannot tell which it has"
-    if norms:
-        clips = ", ".join(f"{v:g}: {sum(n > v for n in norms) if v > 0 else 0}" for v in values)
-        text += (f" (steps each clips, of the {len(norms)} your loop logged: {clips}; Adam all but cancels the scale "
-                 "of a clipped gradient)")
-    return text + f"; the table says {found:g}"
+def _suspected(entry: dict, answer: Answer, evidence: str, search: Search, state: Trial, at: tuple[Path, str],
+               t0: float, log) -> dict:
+    """The entry of an explanation that does not agree at every step: the closest the search came, its table written
+    where it changed anything (every difference marked by how it was found: the table to start from)."""
+    path, cell = at
+    if state.changes:
+        write_table(path, answer.trl, answer.quirks, cell, search.runs, "suspected", found_how(answer.differences))
+    entry.update(status="suspected", evidence=evidence, fix={"trl": answer.trl, "scratch": answer.quirks,
+                                                             "sentence": evidence},
+                 runs=search.runs, **({"written": str(path)} if state.changes else {}))
+    log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
+    return entry
 
 
-def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, str] | None = None,
-            data=None) -> list[dict]:
-    """Explain the cell's divergence (your loop against TRL on the rollouts of `cell_dir`): the attribution entries,
-    the first one the verdict (status `confirmed` when the built-in loop with the found changes, and TRL with the
-    written table where no quirk is left, match your loop at every step; `suspected` otherwise). `table`: where
-    the TRL table goes and the cell it names (default: beside verdict.json, the cell folder's name)."""
-    from harness.diagnose import cell as cells
-
-    t0 = time.perf_counter()
-    cell_dir = Path(cell_dir)
-    data = data if data is not None else cells.load(spec, cell_dir, result)  # the cell, read once
-    yours, envelope, records = data.yours, data.envelope, list(data.records)
-    root = cell_dir / "explain"
-    if root.exists():
-        shutil.rmtree(root)
-    spec_dtype = spec.DTYPE
-    base = scratch_as_trl(spec)
-    identified = _identify(data, base, log)
-    opt = next((f for f in identified if f.stage == "optimizer" and f.readable), None)
-    read, said, lr_ahead = settings_from_log(yours, base, opt.evidence.get("lrs") if opt else None)
-    weights, weights_said = reward_weights_from_log(yours, base, list(data.scores))
-    read, said = {**read, **weights}, said + weights_said
-    fd = result.get("first_divergence") or {}
-    outside_first = sorted(m for m, v in result.get("metrics", {}).items()
-                           if isinstance(v, dict) and v.get("first_outside") == fd.get("step"))
-    notes = [f"at step {fd.get('step')} these are outside tolerance: {', '.join(outside_first)}"] if outside_first else []
-    notes += said
-    skipped = steps_logged_words(yours, spec)
-    if skipped:
-        notes.append(skipped)
-    for n in notes:
-        log(f"    {n}")
-    search = Search(base, yours, records, root, envelope, log)
-    if lr_ahead and "learning_rate" in search.judge.columns:  # logged a step ahead: not compared step by step
-        search.judge.columns.remove("learning_rate")
-    fixed, unsure, settles = identify.settings_of(identified)
-    if "LR_STEPS" in read:  # a schedule of your loop's own: the log's rates stand for the fit's
-        peak = max(read["LR_STEPS"])  # (the peak: TRL's learning_rate, the nearest it has)
-        if peak and not math.isclose(peak, base.LR, rel_tol=1e-6):
-            read["LR"] = peak
-        fixed = {k: v for k, v in fixed.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
-        unsure = {k: v for k, v in unsure.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
-    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v  # (a rate read within
-                and not (isinstance(v, float) and math.isclose(read[k], v, rel_tol=2e-3))}  # its fit's noise: alike)
-    for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
-        notes.append(f"{k}: your log states {toml_value(logged)}, your tensors show {toml_value(measured)}; the "
-                     "search starts from the log's")
-    fixed = {k: v for k, v in fixed.items() if k not in conflict}
-    unsure = {k: v for k, v in unsure.items() if k not in read}  # (a value your log states beats a fit's look-alike)
-    ident = {**fixed, **unsure}  # (for the words: read from what your loop saved)
-    read = {**read, **fixed}  # settled by your own tensors: the search starts there and leaves them
-    search.settled |= set(settles) - set(conflict)
-    notes += identify.words(identified)
-    found = _tensor_diff(spec, search, read, data, log)
-    first = ((found or {}).get("first") or {}).get("tensor")
-    if tensor_words(found) and not any(f.exact and f.stage == _STAGE_OF.get(first) for f in identified):
-        notes.insert(0, tensor_words(found))  # (a link the stages read exactly is said by them)
-    if (found or {}).get("skipped"):
-        notes.append("the tensor diff was skipped: " + found["skipped"])
-    raw = (found or {}).get("guesses", [])
-    exact_first = bool(found) and any(c.get("exact") for c in found.get("chain", [])) and bool(raw)
-    guesses = []  # the tensor diff's, less what the stages settled (the exact one stays first where anything is left)
-    for i, g in enumerate(raw):  # (a field the stages read, settled or not, is theirs: read from your own tensors)
-        g = {k: v for k, v in g.items() if k not in settles and k not in unsure}
-        if g and g not in guesses:
-            guesses.append(g)
-        elif i == 0:
-            exact_first = False
-    if unsure:  # what the stages read but could not tell from look-alikes: tried first, kept only if it helps
-        guesses.insert(1 if exact_first else 0, unsure)
-    state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
-    value_only = None
-    if _loss_value_alone(search, state):  # -logp * A, say: judged again on the gradient
-        value_only = state.agree + 1
-        log(f"    explain: at step {value_only} only the loss's value parts, the gradient norm agrees: searched again "
-            "without the logged loss (judged on grad_norm; the final weights are compared at the end)")
-        search.without_loss(value_only)
-        state, trace = search.run(read, guesses, exact_first, settles=settled_by(found))
-    search.save()
-    escalated = in_float32(spec, data, search, state, read, log)
-    if escalated is not None:  # what bf16 could not tell apart, told in float32 on the same rollouts
-        spec, search, state, trace, data = escalated
-        value_only = search.value_only
-        notes.append(escalated_words(escalated[1].escalated_from, spec_dtype))
-        was = search.escalated_from["found"]
-        only32 = {k: v for k, v in state.changes.items() if k not in was or not _same(was[k], v)}
-        dropped = [k for k in was if k not in state.changes]
-        if dropped:
-            notes.append(f"in float32 the search did without {', '.join(dropped)}, which {spec_dtype} had kept")
-        if only32:  # what bf16's noise hid: named, and marked as seen in float32 only
-            notes.append(f"shown in float32 only (under {spec_dtype}'s rounding in the {spec_dtype} run): "
-                         + "; ".join(words(k, v).removeprefix("your loop ") for k, v in only32.items()))
-    from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
-    changes = state.changes
-    base = search.base
-    trl = trl_fields(base, changes) if changes else {}
-    quirks = {k: v for k, v in changes.items() if not trl_moves(base, {k: v})}
-    differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
-                    "read_from_log": k in read and k not in ident, "identified": k in ident,
-                    "from_tensors": k in from_tensors} for k, v in changes.items()]
-    if "MAX_GRAD_NORM" in changes and state.agree >= search.steps:  # which other thresholds do as well?
-        found_at = changes["MAX_GRAD_NORM"]
-        alike = [v for v in CLIP_NORMS if v != found_at
-                 and search.whole({**changes, "MAX_GRAD_NORM": v}).agree >= search.steps]
-        if alike:
-            norms = yours["grad_norm"].dropna().astype(float).tolist() if "grad_norm" in yours.columns else []
-            notes.append(clip_alike_words(found_at, alike, norms, search.steps))
-    runs, steps_run, seconds = search.runs, search.steps_run, search.seconds
-    if state.agree >= search.steps:  # what else reproduces it as well: the run cannot tell those apart
-        notes += untold_words(search, changes)
-    cost = {"runs": runs, "steps": steps_run, "seconds": round(seconds, 1),
-            "look_alike_runs": search.runs - runs, "look_alike_seconds": round(search.seconds - seconds, 1)}
-    entry = {"cause": "+".join(sorted(trl) + sorted(quirks)) or "your loop", "fields": sorted(trl),
-             "quirks": quirks, "differences": differences, "trace": trace, "notes": notes, "cost": cost}
-    if found:
-        entry["tensor_diff"] = {**found, "words": tensor_words(found)}
-    if identified:
-        entry["identified"] = [f.to_dict() for f in identified]
-    if escalated is not None:
-        entry["precision"] = {"dtype": spec.DTYPE, "from": spec_dtype, **search.escalated_from}
-    if state.agree < search.steps:
-        where = (f"; even it parts at step {state.agree + 1} on {', '.join(state.outside[:4])}" if state.outside
-                 else "")
-        closest = _sentence(trl, quirks, None) if changes else "the spec's own settings"
-        text = f"no setting the search knows matches your loop at every step (closest: {closest}{where}); "
-        if value_only is not None:
-            text += (f"judged without your logged loss, whose value alone parted at step {value_only} while the "
-                     "gradient norm agreed at that step; ")
-        if search.below_rounding:  # what would do better is rounding: at this precision the rest is noise
-            text += below_rounding_words(search.below_rounding, spec.DTYPE)
-        else:
-            text += "the difference is outside what TRL and the built-in loop's switches can be set to"
-        apart = [f.rule for f in identified if f.no_switch or not f.exact]
-        if apart:
-            text += "; read from your tensors, what no switch reproduces: " + "; ".join(apart)
-        links = [c for c in (found or {}).get("chain", []) if c.get("independent") or c.get("only_yours")]
-        if links:
-            text += "; the tensor diff found, link by link: " + "; ".join(f"{c['tensor']}: {c['how']}" for c in links)
-        path, cell = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
-        if changes:  # every difference found, each marked by how it was found: the table to start from
-            _write_table(path, trl, quirks, cell, search.runs, "suspected", _found_how(differences))
-        entry.update(status="suspected", evidence=text, fix={"trl": trl, "scratch": quirks, "sentence": text},
-                     runs=search.runs, **({"written": str(path)} if changes else {}))
-        log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
-        return [entry]
-    # every step agrees on what training computes: the whole comparison, as the cell was judged
+def _confirm(spec, data, search: Search, state: Trial, answer: Answer, value_only: int | None,
+             root: Path) -> Confirmation:
+    """The kept set's run over every step compared with your loop as the cell was judged (final weights included),
+    and, where no quirk is left, TRL itself with the table on the cell's rollouts (one more run of the search)."""
     final = _loss_in_value_only(_against(spec, data, Path(state.folder)), value_only)
-    final_fd = final.get("first_divergence")
-    derived = final.get("defined_differently", [])
-    weights_off = "param_rel_l2" in final.get("outside", [])
-    path, cell = table or (cell_dir.parent / EXPLAIN_FILE, cell_dir.name)
-    confirmed_by_trl = None
-    if trl and not quirks:  # TRL itself, with the table: the claim in TRL's own terms
-        confirmed_by_trl = _trl_check(spec, trl, data, root / "trl-with-table", value_only)
+    by_trl = None
+    if answer.trl and not answer.quirks:  # TRL itself, with the table: the claim in TRL's own terms
+        by_trl = _trl_check(spec, answer.trl, data, root / "trl-with-table", value_only)
         search.runs += 1
-    sentence = _sentence(trl, quirks, path)
-    if escalated is not None:
-        sentence += (f" ({'checked' if search.escalated_from.get('checked') else 'found'} in float32: "
-                     f"{escalated_words(search.escalated_from, spec_dtype)})")
-    if derived:
-        sentence += "; " + defined_differently_words(derived, final)
-    if final.get("loss_in_value_only"):
-        sentence += "; " + loss_in_value_words(final)
-    ok = not weights_off and final_fd is None and confirmed_by_trl is not False
-    status = "confirmed" if ok else "suspected"
-    if weights_off:
-        sentence += ("; but the final weights still differ beyond tolerance: a difference no logged metric shows "
-                     "(log grad_norm, or save the weights at more steps)")
-    elif final_fd is not None:
-        sentence += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
-    if confirmed_by_trl is False:
-        sentence += "; but TRL with that table still parts from your loop (a bug on one side?)"
-    _write_table(path, trl, quirks, cell, search.runs, status, _found_how(differences))
-    entry.update(status=status, evidence=sentence, fix={"trl": trl, "scratch": quirks, "sentence": sentence},
-                 runs=search.runs, written=str(path), defined_differently=derived, matched_by=state.folder,
-                 confirmed_by={"scratch": final_fd is None and not weights_off, "trl": confirmed_by_trl})
+    return Confirmation(final, by_trl)
+
+
+def _confirmed(entry: dict, answer: Answer, evidence: str, confirmation: Confirmation, search: Search, state: Trial,
+               at: tuple[Path, str], t0: float, log) -> dict:
+    """The entry of an explanation that agrees at every step on what training computes: confirmed where the whole
+    comparison and TRL with the table agree too, suspected where either still parts; its table written."""
+    path, cell = at
+    status = "confirmed" if confirmation.by_scratch and confirmation.by_trl is not False else "suspected"
+    write_table(path, answer.trl, answer.quirks, cell, search.runs, status, found_how(answer.differences))
+    cost = entry["cost"]
+    entry.update(status=status, evidence=evidence, fix={"trl": answer.trl, "scratch": answer.quirks,
+                                                        "sentence": evidence},
+                 runs=search.runs, written=str(path),
+                 defined_differently=confirmation.final.get("defined_differently", []), matched_by=state.folder,
+                 confirmed_by={"scratch": confirmation.by_scratch, "trl": confirmation.by_trl})
     entry["cost"] = {**cost, "runs": search.runs - cost["look_alike_runs"], "seconds": round(time.perf_counter() - t0, 1)}
     log(f"    explain: {search.runs} runs ({cost['look_alike_runs']} of them look-alikes of the confirmed set), "
         f"{search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
-    return [entry]
+    return entry
 
 
 def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
@@ -464,51 +393,6 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     again.save()
     data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={})
     return spec32, again, state32, trace, data32
-
-
-def escalated_words(where: dict, dtype: str) -> str:
-    if where.get("checked"):
-        said = (f"in {dtype} the explanation agreed at every step, and was checked in float32 on the same rollouts "
-                "(your loop and the built-in loop again), where rounding hides less")
-    else:
-        said = (f"in {dtype} the search's best agreed through step {where['agree']} and what was left from step "
-                f"{where['at_step']} was below its rounding, so your loop and the search were re-run in float32 on "
-                "the same rollouts")
-    if where.get("loop_ignores_dtype"):
-        said += (" (your loop's float32 run logged exactly what its bf16 run did, step for step: does it read DTYPE "
-                 "from PARITY_SPEC?)")
-    return said
-
-
-def below_rounding_words(where: dict, dtype: str) -> str:
-    """Why the search stopped where only changes below the run's rounding did better."""
-    said = " or ".join(_with(c, "").strip() for c in where["changes"])
-    return (f"from step {where['at_step']} the changes that bring the two back inside tolerance ({said}) move no "
-            f"metric beyond the bound from the current set: in {dtype} what is left cannot be told from rounding "
-            f"noise (run the cell with DTYPE = \"float32\" to tell it apart)")
-
-
-_HOW_TRL_LOGS = {"kl": "a mean over each micro-batch's completion tokens, micro-batches cut from the shuffled batch, "
-                       "then over micro-batches", "entropy": "as kl: per micro-batch of the shuffled batch, then over them",
-                 "clip_ratio/": "per micro-batch of the shuffled batch, then over them",
-                 "reward": "the batch mean of the weighted sum of the reward functions",
-                 "completions/": "token counts through the first eos"}
-
-
-_TRAINS = {"param_rel_l2": "the final weights"}  # the training metrics' names in a sentence
-
-
-def defined_differently_words(metrics: list[str], comparison: dict) -> str:
-    """'kl is defined differently in your loop (TRL: ...); training agrees (...)'."""
-    hows = []
-    for m in metrics:
-        how = next((v for k, v in _HOW_TRL_LOGS.items() if m == k or (k.endswith("/") and m.startswith(k))
-                    or m.startswith(k + "_")), None)
-        hows.append(f"{m} (TRL's: {how})" if how else m)
-    trains = [m for m in ("loss", "grad_norm", "param_rel_l2") if m in comparison.get("metrics", {})
-              and not (m == "loss" and comparison.get("loss_in_value_only"))]
-    return (", ".join(hows) + (" is" if len(metrics) == 1 else " are") + " defined differently in your loop: "
-            f"training agrees ({', '.join(_TRAINS.get(m, m) for m in trains)} within tolerance at every step)")
 
 
 def settled_by(found: dict | None) -> tuple:
@@ -734,58 +618,3 @@ def _loss_in_value_only(result: dict, value_only: int | None) -> dict:
                                  "agrees": ["grad_norm", "param_rel_l2"]}
     out["notes"].append("your loss differs in value alone: " + loss_in_value_words(out))
     return out
-
-
-def loss_in_value_words(result: dict) -> str:
-    """'your logged loss is defined otherwise in value (...), while grad_norm and the final weights agree ...'."""
-    v = result["loss_in_value_only"]
-    return (f"your logged loss is defined otherwise in value (outside tolerance from step {v['from_step']}), while "
-            f"{' and '.join(_TRAINS.get(m, m) for m in v['agrees'])} agree at every compared step: a loss whose "
-            "gradient agrees with TRL's within tolerance and whose value does not (-logp * A, say, where TRL's is "
-            "-ratio * A with the ratio 1; or a mean over micro-batches logged in place of their sum)")
-
-
-def _sentence(trl: dict, quirks: dict, path: Path | None) -> str:
-    parts = []
-    if trl:
-        parts.append(f"your loop is TRL with {', '.join(f'{k} = {toml_value(v)}' for k, v in trl.items())}"
-                     + (f" (written to {path})" if path else ""))
-    if quirks:
-        said = "; ".join(words(k, v).removeprefix("your loop ") for k, v in quirks.items())
-        scratch = ", ".join(f"{k} = {toml_value(v)}" for k, v in quirks.items())
-        parts.append(("plus" if trl else "your loop is TRL except that it") + f" {said}: TRL has no setting for "
-                     f"{'it' if len(quirks) == 1 else 'these'} (the built-in loop with {scratch} matches your loop)")
-    return ", ".join(parts) if parts else "your loop is TRL as the spec sets it up"
-
-
-def _found_how(differences: list[dict]) -> dict:
-    """How each difference was found, by spec field and by the TRL fields it moves: read from your tensors, read
-    from your log, by the tensor diff, or by the search."""
-    out = {}
-    for d in differences:
-        how = ("read from what your loop saved" if d.get("identified") else "read from your log" if d.get("read_from_log")
-               else "by the tensor diff" if d.get("from_tensors") else "by the search")
-        out[d["field"]] = how
-        out.update({k: how for k in d.get("trl") or {}})
-    return out
-
-
-def _write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, status: str, how: dict | None = None) -> None:
-    """The [trl] table (and the quirks as comments), each line marked by how it was found and whether the whole
-    was confirmed (the built-in loop, and TRL where no quirk is left, with all of it reproduce your loop at every
-    step) or is suspected (the closest the search came: each line is still what was found, the whole is not shown)."""
-    what = ("does what your loop does" if not quirks else "does what your loop does but for the quirks below, which "
-            "TRL cannot set") if status == "confirmed" else ("comes closest to your loop (suspected, not confirmed: "
-                                                             "see the verdict)")
-    mark = "confirmed" if status == "confirmed" else "suspected"
-    lines = [f"# Your loop, in TRL's terms: TRL with these [trl] fields added to the spec's own [trl] table (a field it "
-             f"sets already takes the value here) {what}",
-             f"# on the same rollouts (cell {cell}, {runs} runs of the search).",
-             "[trl]"]
-    for k, v in trl.items():  # each with how it was found, on the line above it
-        lines += [f"# {mark}, {(how or {}).get(k, 'by the search')}", f"{k} = {toml_value(v)}"]
-    if quirks:
-        lines += ["", "# What TRL has no setting for; the built-in loop reproduces it with these spec fields:"]
-        lines += [f"# {k} = {toml_value(v)}    ({words(k, v)}; {mark}, {(how or {}).get(k, 'by the search')})"
-                  for k, v in quirks.items()]
-    atomic_write_text(path, "\n".join(lines) + "\n")

@@ -281,7 +281,7 @@ def headline(doc: dict) -> dict:
                 within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
                           "pair in float32 parts")
             if c.get("defined_differently"):
-                from harness.diagnose.explain import defined_differently_words
+                from harness.diagnose.explain_words import defined_differently_words
 
                 items.append("Only statistics part: " + defined_differently_words(c["defined_differently"], c) + ".")
             return {"sentence": f"The two loops agree {within}.", "items": items}
