@@ -101,6 +101,17 @@ def _strip(value, out: str):
 RUN_DIR = Path(tempfile.gettempdir()) / "grpo-golden-verdicts"
 
 
+def _unwrapped(text: str) -> list[str]:
+    """The summary's paragraphs, each on one line: where a wrapped line breaks depends on the durations in it (a run
+    of 10 s is a character longer than one of 9 s), which the comparison leaves out. A break at a hyphen (textwrap
+    breaks long words there) is joined back."""
+    paragraphs, out = re.split(r"\n(?=\S|\s*- |\s*$)", text), []
+    for p in paragraphs:
+        p = re.sub(r"(?<=\S-)\s*\n\s*", "", p)  # a word broken after its hyphen
+        out.append(" ".join(p.split()))
+    return out
+
+
 def run_case(name: str) -> dict:
     """Run one case in its folder (emptied first) and return what is kept of it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,7 +133,7 @@ def _run_in(case: dict, out: Path, format_verdict, run_matrix, load_spec) -> dic
     try:
         doc = run_matrix(load_spec(case["spec"], list(case["set"])), out, case["matrix"], log=lambda *_: None)
         table = out / "your_loop_in_trl.toml"
-        kept = {"verdict": doc, "summary": format_verdict(doc),
+        kept = {"verdict": doc, "summary": _unwrapped(format_verdict(doc)),
                 "your_loop_in_trl": table.read_text(encoding="utf-8") if table.exists() else None}
         return _strip(json.loads(json.dumps(kept, default=str)), str(out))
     finally:

@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness.diagnose.explain import toml_value
+from harness.diagnose.fields import toml_value
 
 
 # ---------------------------------------------------------------------------------------------
