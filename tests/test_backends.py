@@ -138,10 +138,10 @@ def test_a_scratch_run_shared_by_cells_is_made_once_on_a_backend(tmp_path, monke
     made = []
     real = pairs._scratch_side
 
-    def counted(spec, out_dir, progress, store):
+    def counted(spec, out_dir, progress, store, held=None):
         had = store is not None and store.has(spec)
         made.append(not had)
-        return real(spec, out_dir, progress, store)
+        return real(spec, out_dir, progress, store, held)
 
     monkeypatch.setattr(pairs, "_scratch_side", counted)
     monkeypatch.setattr("harness.diagnose.matrix.make_backend", lambda *a, **k: Counting())
