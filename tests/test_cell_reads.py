@@ -55,10 +55,11 @@ SIDES = tuple(str(ROOT / d) for d in ("scratch_grpo", "trl_runner", "loop_runner
 
 
 def _by_the_diagnosis(stack) -> bool:
-    """The innermost project frame that is the diagnosis's or a side's: the diagnosis's?"""
+    """The innermost project frame that is the diagnosis's or a side's: the diagnosis's? (Your saved weights are
+    sketched by loop_runner's final_weights_sketch for the diagnosis: that counts as the diagnosis.)"""
     for f in reversed(stack):
         if f.filename.startswith(SIDES):
-            return False
+            return f.name == "final_weights_sketch"
         if f.filename.startswith(str(ROOT / "harness" / "diagnose")):
             return True
     return False

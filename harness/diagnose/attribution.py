@@ -257,7 +257,8 @@ class CauseSearch:
         self.errors: list[str] = []
         self.results: dict[frozenset, dict | None] = {}
         self.specs: dict[frozenset, object] = {}  # the resolved spec of each re-run
-        self.cells: dict[frozenset, object] = {}  # the re-runs this cell made, as cells (CellData): read once
+        self.cells: dict[frozenset, object] = {}  # the re-runs this cell made, as cells (CellData, their logs and
+        # sketches, no records): read once
 
     def run(self, aligned: frozenset) -> dict | None:
         """The comparison with the checks in `aligned` aligned (None when the re-run failed)."""
@@ -302,7 +303,7 @@ class CauseSearch:
                 bound = f" (at most {2 * len(self.checks) + 1})" if self.backend.slots <= 1 else ""  # prefetch: more
                 self.log(f"    re-run {n}{bound}: {', '.join(sorted(aligned))} aligned")
                 return self.backend.run_pair(spec, self.cell_dir / name[:120], self.mode, self.progress,
-                                             store=self.store, keep=True)
+                                             store=self.store, keep="logs")
 
             out = None
             try:
@@ -375,7 +376,8 @@ class CauseSearch:
 
 def _last_gaps(result: dict, data=None) -> dict[str, float]:
     """|a - b| at the last shared step: the weights' relative L2 distance (lockstep), the loss and the reward.
-    `data`: the re-run as a cell (CellData), when this cell made it: its logs and sketches, not read again."""
+    `data`: the re-run as a cell (CellData), when this cell made it: its logs and sketches, not read again (a re-run
+    another cell made, or an earlier run of the matrix before --resume, is read from its folder)."""
     from harness.diagnose.cell import read_sketch, relative_l2
     from harness.diagnose.compare import load_any_run
 

@@ -48,7 +48,7 @@ def _check_folder(out_dir: Path) -> None:
                            "must be on a filesystem every worker mounts (docs/scaling.md)")
 
 
-def _pair_job(spec, out_dir: str, mode: str, sides: tuple, store_root: str | None, keep: bool = False):
+def _pair_job(spec, out_dir: str, mode: str, sides: tuple, store_root: str | None, keep: bool | str = False):
     """What a worker runs for a pair: `pairs.run_pair` into a folder the driver made (`keep`: its CellData, which
     travels back to the driver whole)."""
     out_dir = Path(out_dir)
@@ -71,7 +71,7 @@ class InProcess:
     name = "local"
 
     def run_pair(self, spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-                 sides: tuple = ("scratch", "trl"), store=None, keep: bool = False):
+                 sides: tuple = ("scratch", "trl"), store=None, keep: bool | str = False):
         """`pairs.run_pair`, here."""
         return pairs.run_pair(spec, out_dir, mode, progress, sides=sides, store=store, keep=keep)
 
@@ -94,7 +94,7 @@ class _Pool:
         self._scratch: dict[str, concurrent.futures.Future] = {}
 
     def run_pair(self, spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-                 sides: tuple = ("scratch", "trl"), store=None, keep: bool = False):
+                 sides: tuple = ("scratch", "trl"), store=None, keep: bool | str = False):
         """`pairs.run_pair` on a worker, after the scratch run it shares with other cells (made once)."""
         out_dir = Path(out_dir).resolve()  # a worker's working directory is not the driver's
         out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import numpy as np
 EXPLAIN_FILE = "your_loop_in_trl.toml"  # beside verdict.json: the TRL table the explanation of your loop writes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sketch:
     """A run's parameter sketch (harness/runlog/params.py): a fixed slice of the weights after each step."""
     rows: np.ndarray  # steps x width
@@ -47,9 +47,10 @@ def relative_l2(a: Sketch | None, b: Sketch | None) -> list[float] | None:
     return list(np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(y, axis=1), 1e-30))
 
 
-def your_loop_files(yours_dir: Path, loop_rollouts: Path) -> dict:
+def your_loop_files(yours_dir: Path, loop_rollouts: Path | None) -> dict:
     """What your loop saved besides its log, read once: its tensors, its selection (and where it is) and the
-    reward functions' scores of each round it was given, as CellData's fields."""
+    reward functions' scores of each round it was given (from `loop_rollouts`; none when None), as CellData's
+    fields."""
     from harness.diagnose.tensordiff import round_scores
     from harness.runlog.tensors import TENSORS_FILE, TRAINED_FILE, read_tensors, read_trained
 
@@ -57,13 +58,15 @@ def your_loop_files(yours_dir: Path, loop_rollouts: Path) -> dict:
     trained = read_trained(yours_dir / TRAINED_FILE)
     return {"tensors": read_tensors(yours_dir / TENSORS_FILE), "trained": trained,
             "trained_path": str((yours_dir / TRAINED_FILE).resolve()) if trained else "",
-            "scores": tuple(round_scores(loop_rollouts))}
+            "scores": tuple(round_scores(loop_rollouts)) if loop_rollouts is not None else ()}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class CellData:
-    """A pair's cell, loaded once. Sequences are tuples and nothing is changed after loading; make a changed copy
-    with `dataclasses.replace` (the cell as TRL configures it: `replace(cell, spec=base)`)."""
+    """A pair's cell, loaded once. Sequences are tuples; make a changed copy with `dataclasses.replace` (the cell as
+    TRL configures it: `replace(cell, spec=base)`). One field grows: `sketches` takes the sketch of each run a later
+    step compares with the cell (a search's, TRL's with the written table) as it is read, so that it is read once.
+    It pickles (a worker process or a Ray task hands it back whole); arrays and frames are never written to."""
     spec: object  # the spec the pair ran (harness.experiment.spec.Spec)
     folder: Path = Path(".")  # the cell folder: written to by later steps, never read back
     sides: tuple = ("scratch", "trl")  # the pair compared: ("yours", "trl") for your loop against TRL
@@ -118,6 +121,7 @@ def load(spec, folder: Path, comparison: dict, sides: tuple = ("yours", "trl")) 
     extra = your_loop_files(folder / "yours", folder / LOOP_ROLLOUTS_FILE) if "yours" in sides else {}
     return CellData(spec, folder, tuple(sides), "lockstep", comparison,
                     {side: load_any_run(folder / side) for side in sides if (folder / side).is_dir()},
-                    tuple(ReplaySource.from_file(folder / ROLLOUTS_FILE).records), noise.load(folder),
+                    tuple(ReplaySource.from_file(folder / ROLLOUTS_FILE).records),
+                    noise.load(folder) if spec.TOLERANCE == "calibrated" else None,  # (as the pair judged it)
                     tuple(eos_token_ids(generation_config(ckpt), tok)), tok.pad_token_id,
                     sketches={str(folder / side): read_sketch(folder / side) for side in sides}, **extra)

@@ -391,7 +391,8 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     guess = {k: v for k, v in state.changes.items() if k not in read}
     state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
     again.save()
-    data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={})
+    data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={},
+                                 comparison={}, tensors={}, trained=None)  # (what was the bf16 run's)
     return spec32, again, state32, trace, data32
 
 

@@ -3,8 +3,9 @@
 The sides are `scratch` (the built-in loop), `trl` (TRL's GRPOTrainer) and `yours` (a user's loop, run through
 `loop_runner`). Owns the order they run in. Lockstep: the scratch loop runs first and records every round's
 rollouts (`RecordingSource`); TRL replays them (`ReplaySource`) and a user's loop reads them as
-`rollouts.jsonl` (PARITY_ROLLOUTS); then `compare_runs`. Free: each side samples for itself, FREE_SEEDS seeds
-each; then `compare_free`. The matrix and the attribution call `run_pair` for every cell and every re-run.
+`rollouts.jsonl` (PARITY_ROLLOUTS); then the comparison (`compare_loaded`). Free: each side samples for itself,
+FREE_SEEDS seeds each; then `compare_free`. The matrix and the attribution call `run_pair` for every cell and every
+re-run; with `keep` it returns the cell (cell.CellData) holding what it read, so that nothing reads it back.
 
 With TOLERANCE = "calibrated" (lockstep) the scratch side also runs as its noise twin on the same recording
 (harness/diagnose/noise.py). With a `store` (a matrix's folder), the scratch run, its recording and its noise
@@ -217,11 +218,12 @@ def _train(side: str, spec, run_dir: Path, progress: bool, rollouts=None, replay
 
 
 def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False,
-             sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None, keep: bool = False):
+             sides: tuple[str, str] = ("scratch", "trl"), store: ScratchStore | None = None, keep: bool | str = False):
     """Both sides on `spec` into out_dir/<side>; returns the comparison of sides[0] with sides[1]. `store`: where
     scratch runs are shared (a matrix's); a run stored there with the same `scratch_key` is copied, not re-made.
     `keep`: return the cell instead (CellData: the comparison with everything the pair read or holds, so that no
-    later step reads the folder back)."""
+    later step reads the folder back); "logs": the cell without its rollout records (a re-run, whose logs and
+    sketches are all its cell uses: a GPU run's records are large to hand back from a worker)."""
     from harness.rollouts.lockstep import (LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE, RecordingSource, ReplaySource,
                                            write_loop_rollouts)
 
@@ -255,7 +257,8 @@ def run_pair(spec, out_dir: Path, mode: str = "lockstep", progress: bool = False
     if not keep:
         return result
     extra = your_loop_files(out_dir / "yours", out_dir / LOOP_ROLLOUTS_FILE) if "yours" in sides else {}
-    return CellData(spec, out_dir, tuple(sides), "lockstep", result, runs, tuple(records), envelope, tuple(eos),
+    return CellData(spec, out_dir, tuple(sides), "lockstep", result, runs, tuple(records) if keep is True else (),
+                    envelope, tuple(eos),
                     tok.pad_token_id, sketches=sketches, **extra)
 
 
@@ -401,7 +404,8 @@ def _held_to_final_weights(result: dict, spec, yours: Path, other: Path, log, mo
         sketch = read_sketch(other)
         if sketches is not None:
             sketches[str(other)] = sketch  # (a search's run: read here once, for whoever needs it after)
-    if sketch is None:  # (the original read your saved weights only where the other side had a sketch)
+    last = int(log.index.max()) if len(log.index) else 0
+    if sketch is None or not 1 <= last <= len(sketch.rows):  # nothing to hold your saved weights against
         return
     if sketches is not None and str(yours) + FINAL in sketches:
         mine = sketches[str(yours) + FINAL]
@@ -410,7 +414,6 @@ def _held_to_final_weights(result: dict, spec, yours: Path, other: Path, log, mo
         mine = Sketch(*found) if found is not None else None
         if sketches is not None:
             sketches[str(yours) + FINAL] = mine  # your final weights, sketched once per cell
-    last = int(log.index.max()) if len(log.index) else 0
     found = final_weights_distance((mine.rows, mine.meta) if mine is not None else None, sketch.rows, sketch.meta, last)
     if found is None:
         return

@@ -291,7 +291,7 @@ def _loop_cell32(spec32, data, folder: Path, mine):
     from harness.diagnose.cell import read_sketch, your_loop_files
     from harness.diagnose.compare import load_tolerances
     from harness.diagnose.pairs import compare_loaded
-    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ReplaySource
+    from harness.rollouts.lockstep import ReplaySource
     from trl_runner.runner import train as train_trl
 
     records = list(data.records)
@@ -303,8 +303,9 @@ def _loop_cell32(spec32, data, folder: Path, mine):
     sketches = {str(folder / "trl"): read_sketch(folder / "trl")}
     result32, runs = compare_loaded(spec32, folder / "yours", folder / "trl", "lockstep", envelope, sketches,
                                     runs={"yours": mine})
+    mine32 = your_loop_files(folder / "yours", None)  # (its rollouts are the cell's: the scores are in hand)
     return dataclasses.replace(data, spec=spec32, folder=folder, comparison=result32, runs=runs, envelope=envelope,
-                               sketches=sketches, **your_loop_files(folder / "yours", folder / LOOP_ROLLOUTS_FILE))
+                               sketches=sketches, **{k: v for k, v in mine32.items() if k != "scores"})
 
 
 def _loop_finding(out: dict, lead: dict, cell, data, data32, mine) -> dict:
@@ -352,7 +353,8 @@ def _loop_finding(out: dict, lead: dict, cell, data, data32, mine) -> dict:
 
 
 def _fresh_folder(cell_dir: Path) -> Path:
-    """cell_dir/float32, emptied, with the cell's two rollout files copied in (your loop reads its own)."""
+    """cell_dir/float32, emptied, with the cell's two rollout files copied in (a float32 cell's own copy, for
+    whoever reads the folder later; your float32 runs read the cell's)."""
     from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE, ROLLOUTS_FILE
 
     folder = Path(cell_dir) / FOLDER

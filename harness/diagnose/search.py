@@ -1,5 +1,6 @@
 """The explanation's search: runs of the built-in loop (scratch_grpo) on your loop's recorded rollouts, with candidate
-spec changes, each judged step by step against your loop's log (explain.py says how the search goes).
+spec changes, each judged step by step against your loop's log (explain.py says where it stands in the explanation;
+docs/your-loop.md how a round goes).
 
 - `options`: every candidate change of a spec, in the order a round tries them, each with the first step whose
   logged metrics it can move;
