@@ -101,15 +101,11 @@ def _strip(value, out: str):
 RUN_DIR = Path(tempfile.gettempdir()) / "grpo-golden-verdicts"
 
 
-def _unwrapped(text: str) -> list[str]:
-    """The summary's paragraphs, each on one line: where a wrapped line breaks depends on the durations in it (a run
-    of 10 s is a character longer than one of 9 s), which the comparison leaves out. A break at a hyphen (textwrap
-    breaks long words there) is joined back."""
-    paragraphs, out = re.split(r"\n(?=\S|\s*- |\s*$)", text), []
-    for p in paragraphs:
-        p = re.sub(r"(?<=\S-)\s*\n\s*", "", p)  # a word broken after its hyphen
-        out.append(" ".join(p.split()))
-    return out
+def _unwrapped(text: str) -> str:
+    """The summary as one line of words: where a wrapped line breaks depends on the durations in it (a run of 10 s
+    is a character longer than one of 9 s), which the comparison leaves out. A break at a hyphen (textwrap breaks
+    long words there) is joined back."""
+    return " ".join(re.sub(r"(?<=\S-)[ \t]*\n\s*", "", text).split())
 
 
 def run_case(name: str) -> dict:
@@ -161,6 +157,9 @@ def differences(want, got, where: str = "", limit: int = 20) -> list[str]:
                 if x != y:
                     out.append(f"{path} line {i + 1}: golden {x!r}, now {y!r}")
                     break
+        elif isinstance(a, str) and isinstance(b, str) and a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append(f"{path} at character {i}: golden ...{a[max(0, i - 80):i + 60]!r}, now ...{b[max(0, i - 80):i + 60]!r}")
         elif a != b or type(a) is not type(b):
             out.append(f"{path}: golden {json.dumps(a)[:200]}, now {json.dumps(b)[:200]}")
 

@@ -30,4 +30,6 @@ def test_a_changed_verdict_is_caught():
     assert differences(want, {**want, "verdict": {"cells": [{"share": 0.5}]}})
     assert differences(want, {**want, "summary": "one\nthree"}) == [
         "/summary line 2: golden 'two', now 'three'"]
+    assert differences({"s": "a long line"}, {"s": "a lung line"}) == [
+        "/s at character 3: golden ...'a long line', now ...'a lung line'"]
     assert differences(want, {**want, "your_loop_in_trl": "[trl]\n"})
