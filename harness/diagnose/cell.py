@@ -40,11 +40,9 @@ def read_sketch(run_dir: Path) -> Sketch | None:
 def relative_l2(a: Sketch | None, b: Sketch | None) -> list[float] | None:
     """Per step ||a - b|| / ||b|| over the sketched coordinates (harness/runlog/params.relative_l2, on sketches in
     hand); None when either has none or they differ in width."""
-    if a is None or b is None or a.meta["width"] != b.meta["width"]:
-        return None
-    n = min(len(a.rows), len(b.rows))
-    x, y = a.rows[:n].astype(np.float64), b.rows[:n].astype(np.float64)
-    return list(np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(y, axis=1), 1e-30))
+    from harness.runlog.params import relative_l2_of
+
+    return relative_l2_of(*((s.rows, s.meta) if s is not None else None for s in (a, b)))
 
 
 def your_loop_files(yours_dir: Path, loop_rollouts: Path | None) -> dict:
@@ -84,11 +82,6 @@ class CellData:
     trained_path: str = ""  # where that selection is (the built-in loop's SELECTION replays it)
     sketches: dict = dataclasses.field(default_factory=dict)  # a run folder's path (str) -> its parameter sketch
     #   (Sketch) or None: the sides', then those of the runs later steps compare (a search's), added as read, once each
-
-    @property
-    def comparison_runs(self) -> tuple:
-        """The two compared sides' metric logs, in `sides` order."""
-        return tuple(self.runs.get(side) for side in self.sides)
 
     @property
     def yours(self):

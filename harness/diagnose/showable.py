@@ -43,19 +43,17 @@ def is_ratio_exactly_one(trl_metrics) -> bool:
 
 def update_summary(cell) -> dict:
     """Per side of the cell (CellData): the median over steps of the fraction of weights a step left unchanged, and of
-    the median |update| / |weight| (from the parameter sketches; harness/runlog/params.step_update_stats)."""
-    from harness.runlog.params import step_update_stats
+    the median |update| / |weight| (from the parameter sketches; harness/runlog/params.update_stats_of)."""
+    from harness.runlog.params import update_stats_of
 
     out = {}
     for side in cell.sides:
         sketch = cell.sketch(side)
-        if sketch is None or sketch.init is None or not len(sketch.rows):
-            continue
-        rows = np.vstack([sketch.init[None], sketch.rows])
-        stats = [step_update_stats(rows[t - 1], rows[t]) for t in range(1, len(rows))]
-        out[side] = {"unchanged": float(np.median([s["unchanged"] for s in stats])),
-                     "median_rel": float(np.nanmedian([s["median_rel"] for s in stats])),
-                     "per_step_unchanged": [round(s["unchanged"], 4) for s in stats]}
+        stats = update_stats_of(sketch.rows, sketch.init) if sketch is not None else None
+        if stats:
+            out[side] = {"unchanged": float(np.median([s["unchanged"] for s in stats])),
+                        "median_rel": float(np.nanmedian([s["median_rel"] for s in stats])),
+                        "per_step_unchanged": [round(s["unchanged"], 4) for s in stats]}
     return out
 
 

@@ -80,7 +80,11 @@ def read_sketch(run_dir: str | Path) -> tuple[np.ndarray, dict] | None:
 
 def relative_l2(a_dir: str | Path, b_dir: str | Path) -> list[float] | None:
     """Per step ||a - b|| / ||b|| over the recorded coordinates; None when either run has no sketch."""
-    a, b = read_sketch(a_dir), read_sketch(b_dir)
+    return relative_l2_of(read_sketch(a_dir), read_sketch(b_dir))
+
+
+def relative_l2_of(a: tuple | None, b: tuple | None) -> list[float] | None:
+    """relative_l2 on sketches in hand ((steps x width array, meta) each, as read_sketch gives them)."""
     if a is None or b is None or a[1]["width"] != b[1]["width"]:
         return None
     n = min(len(a[0]), len(b[0]))
@@ -94,12 +98,17 @@ def update_stats(run_dir: str | Path) -> list[dict] | None:
     None when the run recorded no initial row (older runs) or no steps."""
     found = read_sketch(run_dir)
     init_path = Path(run_dir) / SKETCH_INIT
-    if found is None or not init_path.exists() or not len(found[0]):
+    if found is None or not init_path.exists():
         return None
     init = np.fromfile(init_path, dtype=np.float32)
-    if len(init) != found[1]["width"]:
+    return update_stats_of(found[0], init if len(init) == found[1]["width"] else None)
+
+
+def update_stats_of(rows: np.ndarray, init: np.ndarray | None) -> list[dict] | None:
+    """update_stats on a sketch in hand: its rows (steps x width) and its initial row (None: not recorded)."""
+    if init is None or not len(rows):
         return None
-    rows = np.vstack([init[None], found[0]])
+    rows = np.vstack([init[None], rows])
     return [step_update_stats(rows[t - 1], rows[t]) for t in range(1, len(rows))]
 
 
