@@ -217,13 +217,10 @@ def final_weights_sketch(yours: Path, seed: int):
     return read_sketch(folder)
 
 
-def final_weights_distance(mine, other_rows, other_meta: dict | None, step: int) -> tuple[int, float] | None:
-    """(step, ||w_yours - w_other|| / ||w_other||) at your last step `step`, from `mine` (final_weights_sketch) and
-    the other side's parameter sketch (`other_rows`, steps x width, and its `other_meta`); None when either is
-    missing or they do not cover that step alike."""
+def final_weights_distance(mine, other) -> float:
+    """||w_yours - w_other|| / ||w_other|| over the sketched coordinates: `mine`, the row of final_weights_sketch;
+    `other`, the other side's sketch row of the same step (the same width)."""
     import numpy as np
 
-    if mine is None or other_rows is None or not 1 <= step <= len(other_rows) or mine[1]["width"] != other_meta["width"]:
-        return None
-    a, b = mine[0][-1].astype(np.float64), np.asarray(other_rows[step - 1], dtype=np.float64)
-    return step, float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    a, b = np.asarray(mine, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

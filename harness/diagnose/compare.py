@@ -586,15 +586,20 @@ def _val(v, absent: bool) -> str:
 
 
 def compare_runs(run_a, run_b, *, mode: str = "lockstep", dtype: str | None = None,
-                 tolerance_file: str | Path | None = None, envelope: noise.Envelope | None = None) -> dict:
+                 tolerance_file: str | Path | None = None, envelope: noise.Envelope | None = None,
+                 held: tuple | None = None) -> dict:
     """Two runs of the built-in sides (the matrix, attribution): a metric or value one side lacks is a divergence.
-    `envelope`: the pair's noise twin (calibrated tolerance), else the static bounds alone."""
+    `envelope`: the pair's noise twin (calibrated tolerance), else the static bounds alone. `held`: (a's log, b's
+    log, the weights' relative distance per step or None) where the caller has them in hand (a cell's pair)."""
     from harness.runlog.params import relative_l2
 
-    a, b = load_any_run(run_a), load_any_run(run_b)
+    if held is not None:
+        a, b, rel = held
+    else:
+        a, b = load_any_run(run_a), load_any_run(run_b)
+        rel = relative_l2(run_a, run_b) if Path(run_a).is_dir() and Path(run_b).is_dir() else None
     if dtype is None:
         dtype = (a.attrs.get("manifest", {}).get("spec") or {}).get("DTYPE", "float32")
-    rel = relative_l2(run_a, run_b) if Path(run_a).is_dir() and Path(run_b).is_dir() else None
     out = compare_frames(a, b, mode=mode, dtype=dtype, tolerances=load_tolerances(tolerance_file), param_rel_l2=rel,
                          envelope=envelope)
     out["runs"] = [str(run_a), str(run_b)]

@@ -345,19 +345,14 @@ def twin_envelope(plain_dir: Path, twin_dir: Path, held: tuple[dict, dict] | Non
     return noise.envelope(plain, load_any_run(twin_dir), relative_l2(read_sketch(twin_dir), plain_sketch))
 
 
-def compare_sides(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None) -> dict:
-    """compare_runs, and for a user's loop: only the metrics both sides log are compared (the rest are listed as
-    not compared), and the final weights it saved are held against the other side's at that step. `envelope`:
-    the noise twin's, for the calibrated tolerance (lockstep)."""
-    return compare_loaded(spec, a_dir, b_dir, mode, envelope)[0]
-
-
 def compare_loaded(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None, sketches: dict | None = None,
                    runs: dict | None = None) -> tuple[dict, dict]:
-    """compare_sides, and each side's metric log it read ({} for two built-in sides, which compare_runs reads):
-    (comparison, {side folder name: frame}). `sketches` ({run folder path: cell.Sketch}, CellData's) and `runs`
-    (metric logs by side folder name): what the caller holds already, not read again; a sketch read here is added
-    to `sketches`."""
+    """The comparison of two sides' runs, and each side's metric log ({side folder name: frame}; {} when neither
+    `sketches` nor `runs` is given and compare_runs reads two built-in sides itself). For a user's loop only the
+    metrics both sides log are compared (the rest are listed as not compared), and the final weights it saved are
+    held against the other side's at that step. `envelope`: the noise twin's, for the calibrated tolerance
+    (lockstep). `sketches` ({run folder path: cell.Sketch}, CellData's) and `runs` (metric logs by side folder
+    name): what the caller holds already, not read again; a sketch read here is added to `sketches`."""
     from harness.diagnose.compare import compare_frames
 
     if "yours" not in (a_dir.name, b_dir.name) and sketches is None and runs is None:
@@ -369,10 +364,7 @@ def compare_loaded(spec, a_dir: Path, b_dir: Path, mode: str, envelope=None, ske
     a, b = runs[a_dir.name], runs[b_dir.name]
     if "yours" not in (a_dir.name, b_dir.name):  # compare_runs, on what is in hand
         rel = relative_l2(sketches.get(str(a_dir)), sketches.get(str(b_dir))) if sketches is not None else None
-        result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), param_rel_l2=rel,
-                                envelope=envelope)
-        result["runs"] = [str(a_dir), str(b_dir)]
-        return result, runs
+        return compare_runs(a_dir, b_dir, mode=mode, dtype=spec.DTYPE, envelope=envelope, held=(a, b, rel)), runs
     result = compare_frames(a, b, mode=mode, dtype=spec.DTYPE, tolerances=load_tolerances(), one_sided="not_compared",
                             envelope=envelope)
     result["runs"] = [str(a_dir), str(b_dir)]
@@ -414,10 +406,9 @@ def _held_to_final_weights(result: dict, spec, yours: Path, other: Path, log, mo
         mine = Sketch(*found) if found is not None else None
         if sketches is not None:
             sketches[str(yours) + FINAL] = mine  # your final weights, sketched once per cell
-    found = final_weights_distance((mine.rows, mine.meta) if mine is not None else None, sketch.rows, sketch.meta, last)
-    if found is None:
+    if mine is None or mine.meta["width"] != sketch.meta["width"]:
         return
-    step, dist = found
+    step, dist = last, final_weights_distance(mine.rows[-1], sketch.rows[last - 1])
     from harness.diagnose.compare import param_limit
 
     tol = load_tolerances()
