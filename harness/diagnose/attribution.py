@@ -378,16 +378,16 @@ def _last_gaps(result: dict, data=None) -> dict[str, float]:
     """|a - b| at the last shared step: the weights' relative L2 distance (lockstep), the loss and the reward.
     `data`: the re-run as a cell (CellData), when this cell made it: its logs and sketches, not read again (a re-run
     another cell made, or an earlier run of the matrix before --resume, is read from its folder)."""
-    from harness.diagnose.cell import read_sketch, relative_l2
+    from harness.diagnose.cell import relative_l2
     from harness.diagnose.compare import load_any_run
+    from harness.runlog.params import relative_l2 as relative_l2_of_folders
 
     runs = result.get("runs")
-    held = data.runs if data is not None else {}
     if isinstance(runs, dict):  # free: each side's seeds, averaged at the last step
         sides = list(runs.values())
         frames = [[load_any_run(p) for p in paths] for paths in sides]
     elif runs:
-        frames = [[held[Path(p).name] if Path(p).name in held else load_any_run(p)] for p in runs[:2]]
+        frames = [[data.runs[Path(p).name] if data is not None else load_any_run(p)] for p in runs[:2]]
     else:
         return {}
     out = {}
@@ -399,8 +399,8 @@ def _last_gaps(result: dict, data=None) -> dict[str, float]:
         if None not in ends:
             out[metric] = abs(ends[0] - ends[1])
     if runs and not isinstance(runs, dict):
-        sketches = data.sketches if data is not None else {}
-        rel = relative_l2(*(sketches[str(p)] if str(p) in sketches else read_sketch(Path(p)) for p in runs[:2]))
+        rel = (relative_l2(*(data.sketches.get(str(p)) for p in runs[:2])) if data is not None
+               else relative_l2_of_folders(runs[0], runs[1]))
         if rel:
             out["weights"] = float(rel[-1])
     return out
