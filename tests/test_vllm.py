@@ -3,6 +3,8 @@
 On CPU (CI): the plumbing around the engine, with the emulated sampler standing where vLLM's engine would be, so
 the test runs without vLLM. The GPU tests run where vLLM and CUDA are (tools/gpu_vllm.sh); elsewhere they skip."""
 
+import json
+
 import pytest
 
 from conftest import small_spec
@@ -59,9 +61,16 @@ def test_the_engine_start_variables_are_gone_afterwards(monkeypatch):
     assert not [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ]
 
 
-def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight(monkeypatch):
+def _checkpoint(folder, **config):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": str(folder), "hidden_size": 8, **config}))
+    return str(folder)
+
+
+def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight(monkeypatch, tmp_path):
     """VLLMSampler's own logic against a recording stand-in for the `vllm` module (the real engine runs on the GPU
-    only): the engine is built once per (checkpoint, dtype, memory share) in a process and rebuilt for another; every
+    only): the engine is built once per (model shape, dtype, memory share) in a process, whatever checkpoint of that
+    shape asks (the weights are pushed before each round), and rebuilt for another; every
     request carries a seed drawn from torch's generator, so a seeded round asks for the same seeds whatever came
     before; each parameter goes to load_weights under its module name, then the prefix cache is reset."""
     import sys
@@ -108,8 +117,10 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
     def draw():  # a lockstep round: seeded, the sampler (and, the first time, the engine) made inside it
         with torch.random.fork_rng():
             torch.manual_seed(7)
-            sampler = samplers.VLLMSampler(spec, "/ckpt")
+            sampler = samplers.VLLMSampler(spec, ckpt)
             return sampler, sampler.generate([[1, 2], [1, 2], [4]])
+
+    ckpt = _checkpoint(tmp_path / "a")
 
     import random
 
@@ -119,17 +130,76 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
     a, first = draw()  # builds the engine, which seeds every generator
     assert random.random() == expected  # Python's generator as it was
     assert first == ([[3]] * 3, [[-0.5]] * 3)
-    b = samplers.VLLMSampler(spec, "/ckpt")
+    b = samplers.VLLMSampler(spec, _checkpoint(tmp_path / "b"))  # another checkpoint of the same shape
     assert a.llm is b.llm and len(built) == 1
     a.generate([[1]])
     draw()
     assert params[0] == params[2] and len(set(params[0])) == 3  # the same seeds again, one per request
-    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5"), "/ckpt")
+    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5"), ckpt)
     assert len(built) == 2 and built[1]["gpu_memory_utilization"] == 0.5
+    samplers.VLLMSampler(spec, _checkpoint(tmp_path / "c", hidden_size=16))  # another shape: another engine
+    assert len(built) == 3 and not built[2]["enable_sleep_mode"]
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     a.sync_weights(torch.compile(net))  # a compiled module's names carry `_orig_mod.`
     assert loaded == ["0.weight", "0.bias"] and resets == [1]
+
+
+def test_the_sampler_sleeps_between_generations_as_trl_does(monkeypatch, tmp_path):
+    """With sampler.vllm_sleep (TRL's vllm_enable_sleep_mode): the engine sleeps (level 2) once built; a sync wakes
+    its weights before pushing them; a generation wakes the KV cache and sleeps again after; TRL's side, calling
+    generate while asleep without a sync, gets the weights pushed first (as TRL's own generate does). With
+    GPU_MEMORY_GB, the share is of that much memory."""
+    import sys
+    import types
+
+    import torch
+
+    from harness.rollouts import samplers
+
+    calls = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls.append(("build", kwargs["enable_sleep_mode"], kwargs["gpu_memory_utilization"]))
+            model = types.SimpleNamespace(load_weights=lambda pairs: calls.append("load"))
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
+
+        def sleep(self, level):
+            calls.append(f"sleep{level}")
+
+        def wake_up(self, tags):
+            calls.append("wake:" + ",".join(tags))
+
+        def reset_prefix_cache(self):
+            pass
+
+        def generate(self, prompts, sampling_params, use_tqdm):
+            calls.append("generate")
+            sample = types.SimpleNamespace(token_ids=[3], logprobs=[{3: types.SimpleNamespace(logprob=-0.5)}])
+            return [types.SimpleNamespace(outputs=[sample]) for _ in prompts]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(samplers, "_ENGINE", {})
+    monkeypatch.setattr(samplers.torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(samplers.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(samplers.torch.cuda, "empty_cache", lambda: None)
+    spec = small_spec('sampler.kind="vllm"', "sampler.vllm_sleep=true", "GPU_MEMORY_GB=32")
+    sampler = samplers.VLLMSampler(spec, _checkpoint(tmp_path / "a"))
+    assert calls == [("build", True, 0.12), "sleep2"]  # 0.3 of 32 GiB on an 80 GiB card
+    net = torch.nn.Linear(2, 2)
+    sampler.sync_weights(net)
+    sampler.generate([[1]])
+    assert calls[2:] == ["wake:weights", "load", "load", "wake:kv_cache", "generate", "sleep2"] and sampler.asleep
+
+    from trl_runner.runner import TRLSamplerAdapter
+
+    del calls[:]
+    TRLSamplerAdapter(sampler, types.SimpleNamespace(model=net)).generate([[1]])
+    assert calls == ["wake:weights", "load", "load", "wake:kv_cache", "generate", "sleep2"]
 
 
 def test_trl_on_vllm_without_vllm_installed_is_refused_before_any_model_loads(tmp_path, capsys):

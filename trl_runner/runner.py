@@ -9,7 +9,8 @@ What the harness adds to TRL, and nothing more:
 - optional: prompts truncated to MAX_PROMPT_TOKENS (TRL 1.16 has no max_prompt_length);
 - optional: completions from outside through TRL's own `rollout_func` (lockstep parity);
 - optional: the emulated sampler put where TRL calls vLLM (`trainer.vllm_generation`), so TRL's own
-  importance-sampling code runs; such runs are labelled `emulated sampler`;
+  importance-sampling code runs; such runs are labelled `emulated sampler`; in free runs on vLLM, this process's
+  one vLLM engine (harness/rollouts/samplers.py) is put there the same way, instead of a second engine;
 - optional (`tensor_steps`): the first steps' tensors along the dataflow, read from inside TRL, saved as the
   scratch loop saves its own (`tensors.jsonl`, rows in the rollout's order) for the tensor diff. See `TensorCapture`.
 """
@@ -331,7 +332,8 @@ class MetricLogCallback(TrainerCallback):
 
 
 class TRLSamplerAdapter:
-    """The emulated sampler behind the interface GRPOTrainer calls for vLLM generation."""
+    """A harness sampler (the emulated one, or this process's vLLM engine) behind the interface GRPOTrainer calls for
+    vLLM generation."""
 
     def __init__(self, sampler, trainer):
         self.sampler, self.trainer = sampler, trainer
@@ -341,6 +343,8 @@ class TRLSamplerAdapter:
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         # colocate semantics: one completion per entry; prompts arrive already repeated per group
+        if getattr(self.sampler, "asleep", False):  # as TRL's generate: weights dropped by sleep are pushed again
+            self.sync_weights()
         completions, logps = self.sampler.generate([list(p) for p in prompts])
         return prompts, completions, [[[lp] for lp in seq] for seq in logps], None
 
@@ -429,19 +433,19 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     # lockstep on vLLM: the rollouts (vLLM's completions and log-probs, recorded by the scratch side) come through
     # rollout_func, so TRL builds no engine of its own; use_vllm goes on after construction (below), which is what
     # its IS correction reads
-    replay_vllm = spec.sampler.kind == "vllm" and rollout_source is not None
+    # free runs on vLLM: TRL samples through this process's one engine (harness/rollouts/samplers.py, built with the
+    # LLM arguments of TRL's colocate mode), put where TRL would build a second engine of its own (two engines of a
+    # 0.3 share each do not fit a 32 GB card beside the trainer, and each free seed's TRL run built another)
+    replay_vllm = spec.sampler.kind == "vllm"
     config = translation.config(out_dir / "trl_output", disable_tqdm=True, **({"use_vllm": False} if replay_vllm else {}))
-    if spec.sampler.kind == "vllm" and not replay_vllm:
-        from harness.rollouts.samplers import vllm_environment
-
-        vllm_environment()
 
     sampler = None
-    if spec.sampler.kind == "emulated" and rollout_source is None:
-        from harness.rollouts.samplers import EmulatedSampler
+    if spec.sampler.kind in ("emulated", "vllm") and rollout_source is None:
+        from harness.rollouts.samplers import EmulatedSampler, VLLMSampler
 
         eos = eos_token_ids(model.generation_config, tokenizer)
-        sampler = EmulatedSampler(spec, model, eos, tokenizer.pad_token_id, device)
+        sampler = (EmulatedSampler(spec, model, eos, tokenizer.pad_token_id, device) if spec.sampler.kind == "emulated"
+                   else VLLMSampler(spec, ckpt))
     extra = {"checkpoint": str(ckpt), "trl_config": {k: v for k, v in translation.kwargs.items()},
              "sampler": sampler.describe() if sampler else spec.sampler.kind,
              "rollouts": "external (lockstep)" if rollout_source else "own"}
@@ -462,8 +466,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
             tensor_steps=tensor_steps,
         )
         if spec.sampler.kind == "emulated" or replay_vllm:
-            # TRL's vLLM code paths (its IS correction included), with the emulated sampler where vLLM would be;
-            # in lockstep the shared rollouts arrive through rollout_func with the sampler's log-probs
+            # TRL's vLLM code paths (its IS correction included), with the emulated sampler or this process's vLLM
+            # engine where TRL's own engine would be; in lockstep the shared rollouts arrive through rollout_func
+            # with the sampler's log-probs
             trainer.use_vllm = True
             trainer.vllm_generation = TRLSamplerAdapter(sampler, trainer) if sampler else _NoSync()
             trainer._last_loaded_step = -1

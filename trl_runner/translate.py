@@ -239,7 +239,8 @@ def translate(spec) -> Translation:
     gc_field = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     kw[gc_field] = spec.GRADIENT_CHECKPOINTING
     if spec.sampler.kind == "vllm":
-        kw.update(vllm_mode="colocate", vllm_gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization)
+        kw.update(vllm_mode="colocate", vllm_gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
+                  vllm_enable_sleep_mode=spec.sampler.vllm_sleep)
 
     overrides = dict(spec.trl)
     for key in list(kw) + list(overrides):

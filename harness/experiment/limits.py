@@ -44,7 +44,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def machine_memory(device: str, vllm_share: float = 0.0) -> tuple[int, str] | None:
+def machine_memory(device: str, vllm_share: float = 0.0, gpu_gib: float = 0.0) -> tuple[int, str] | None:
     """(bytes, what they are) of the memory a run on `device` can use: the GPU's total on CUDA (less vLLM's
     colocated share), physical memory on CPU; None when it cannot be known here (a CUDA spec on a machine without
     a GPU is not judged by this machine's RAM)."""
@@ -53,9 +53,12 @@ def machine_memory(device: str, vllm_share: float = 0.0) -> tuple[int, str] | No
 
         if torch.cuda.is_available():
             _free, total = torch.cuda.mem_get_info()
+            card = f"GPU memory on {torch.cuda.get_device_name()}"
+            if gpu_gib:  # GPU_MEMORY_GB: as on a card that size
+                total, card = int(gpu_gib * 2**30), f"GPU memory GPU_MEMORY_GB allows on {torch.cuda.get_device_name()}"
             usable = int(total * (1 - vllm_share))
             share = f", less vLLM's {vllm_share:.0%}" if vllm_share else ""
-            return usable, f"the {format_bytes(total)} of GPU memory on {torch.cuda.get_device_name()}{share}"
+            return usable, f"the {format_bytes(total)} of {card}{share}"
         if device == "cuda":
             return None
     try:
@@ -160,4 +163,4 @@ def check_limits(spec, prompt_rows: list[dict]) -> None:
                               spec.MAX_TOKENS, getattr(text, "vocab_size", 0) or len(tokenizer),
                               getattr(text, "hidden_size", 0) or 0, getattr(text, "num_hidden_layers", 0) or 0, frozen)
     share = spec.sampler.vllm_gpu_memory_utilization if spec.sampler.kind == "vllm" else 0.0
-    check_memory(parts, machine_memory(spec.DEVICE, share), batch, spec.DEVICE)
+    check_memory(parts, machine_memory(spec.DEVICE, share, spec.GPU_MEMORY_GB), batch, spec.DEVICE)

@@ -203,11 +203,38 @@ def eos_token_ids(gen_config, tokenizer) -> list[int]:
 def resolve_device(spec) -> str:
     import torch
 
-    if spec.DEVICE == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
     if spec.DEVICE == "cuda" and not torch.cuda.is_available():
         raise ModelSourceError("DEVICE = \"cuda\" but torch sees no GPU here; use DEVICE = \"cpu\" or \"auto\"")
-    return spec.DEVICE
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if spec.DEVICE == "auto" else spec.DEVICE
+    if device == "cuda" and spec.GPU_MEMORY_GB:
+        cap_gpu_memory(spec.GPU_MEMORY_GB)
+    return device
+
+
+def cap_gpu_memory(gib: float) -> float:
+    """Cap this process's torch allocator to `gib` GiB of the card (GPU_MEMORY_GB: a run as on a smaller card);
+    returns the fraction of the card that is. Memory allocated outside torch's allocator (CUDA's context, NCCL, a
+    CUDA graph's pool) is not capped: measure a whole run's peak with nvidia-smi."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gib * 2**30 > total:
+        raise ModelSourceError(f"GPU_MEMORY_GB = {gib:g} is more than this card's {total / 2**30:.1f} GiB; "
+                               "set it to the card you run as (an RTX 5090: 31.8) or to 0 for the whole card")
+    fraction = gib * 2**30 / total
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
+def gpu_memory_bytes(spec) -> int | None:
+    """The GPU memory a run may use: GPU_MEMORY_GB when set, else the card's total; None without a GPU."""
+    import torch
+
+    if spec.GPU_MEMORY_GB:
+        return int(spec.GPU_MEMORY_GB * 2**30)
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 def precision_words(dtype: str, master_weights: str = "float32") -> str:

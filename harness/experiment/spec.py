@@ -114,8 +114,12 @@ class SamplerSpec:
                         "relative size `noise_scale`, redrawn at every sync) or `bfloat16` (weights rounded to bf16).",
                         choices=("noise", "bfloat16"))
     noise_scale: float = _f(0.01, "Emulated `noise`: noise std relative to each tensor's std.", min=0.0, max=10.0)
-    vllm_gpu_memory_utilization: float = _f(0.30, "vLLM colocate: share of GPU memory (the lesson: 0.30).",
+    vllm_gpu_memory_utilization: float = _f(0.30, "vLLM colocate: share of GPU memory (the lesson: 0.30). With "
+                                            "GPU_MEMORY_GB set, a share of that much memory, as on a card that size.",
                                             min=0.0, min_exclusive=True, max=1.0)
+    vllm_sleep: bool = _f(False, "vLLM colocate: TRL's vllm_enable_sleep_mode. The engine gives back its weights and "
+                          "KV cache after each generation (vLLM's sleep level 2) and takes them back before the next, "
+                          "so the trainer's step has that memory.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +299,9 @@ class Spec:
                     "updated in: that is MASTER_WEIGHTS (float32 unless set).", choices=("float32", "bfloat16"))
     DEVICE: str = _f("cpu", "`cpu`, `cuda`, or `auto` (cuda when available).", choices=("cpu", "cuda", "auto"))
     GRADIENT_CHECKPOINTING: bool = _f(False, "Recompute activations in the backward pass (saves GPU memory).")
+    GPU_MEMORY_GB: float = _f(0.0, "Run as on a card with this much memory, in GiB (an RTX 5090: 31.8): each process "
+                              "caps torch's allocator to it (torch.cuda.set_per_process_memory_fraction), vLLM's share "
+                              "is taken of it, and the preflight's memory check uses it. 0: the whole card.", min=0.0)
     MASTER_WEIGHTS: str = _f("float32", "The dtype both sides hold the weights (and AdamW's states) in. `float32`: "
                              "fp32 master weights; with DTYPE = \"bfloat16\" the forward and backward run under bf16 "
                              "autocast (TRL's bf16=True on a float32-loaded model). `bfloat16`: the model is loaded in "

@@ -162,18 +162,23 @@ def request_seeds(n: int) -> list[int]:
 class VLLMSampler:
     """vLLM colocated in this process (one GPU), as TRL 1.16's `vllm_mode="colocate"` builds it: the same LLM
     arguments, weights pushed with `load_weights` before each round, the sampled tokens' processed log-probs
-    returned for the IS correction. One engine per process: the runs of a matrix made in one process (scratch runs,
-    re-runs) share it, each pushing its own weights before it samples; each request carries its own seed
-    (`request_seeds`), so an engine's history does not change a run's draws."""
+    returned for the IS correction. One engine per process, shared by every side that samples in it: the runs of a
+    matrix (scratch runs, re-runs) and TRL's own generation in a free run (trl_runner puts this sampler where TRL
+    would build its engine), each pushing its own weights before it samples, so the engine is keyed by the model's
+    shape, not by the checkpoint it was built from; each request carries its own seed (`request_seeds`), so an
+    engine's history does not change a run's draws. Its memory is `vllm_gpu_memory_utilization` of the card, or of
+    GPU_MEMORY_GB when set (as on a card that size); with `vllm_sleep` (TRL's vllm_enable_sleep_mode) it gives its
+    weights and KV cache back between generations (sleep level 2, as TRL does)."""
 
     label = "vLLM (colocate)"
 
     def __init__(self, spec, checkpoint):
         self.spec = spec
         dtype = "bfloat16" if spec.DTYPE == "bfloat16" else "float32"
-        key = (str(checkpoint), dtype, spec.sampler.vllm_gpu_memory_utilization)
+        share = engine_share(spec)
+        key = (_model_shape(checkpoint), dtype, share, spec.sampler.vllm_sleep)
         if _ENGINE.get("key") != key:
-            # another checkpoint or share: a new engine (the old one's memory comes back only once nothing holds it,
+            # another model or share: a new engine (the old one's memory comes back only once nothing holds it,
             # and vLLM returns little in-process: one spec per process is the supported use)
             _ENGINE.clear()
             vllm_environment()
@@ -181,17 +186,29 @@ class VLLMSampler:
 
             with _launcher_variables(), _random_state_kept():
                 # max_model_len None: vLLM takes it from the checkpoint's config, as TRL's vllm_max_model_length
-                _ENGINE.update(key=key, llm=LLM(
-                    model=str(checkpoint), gpu_memory_utilization=spec.sampler.vllm_gpu_memory_utilization,
-                    max_model_len=None, distributed_executor_backend="external_launcher", seed=spec.SEED,
-                    max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", dtype=dtype))
+                llm = LLM(model=str(checkpoint), gpu_memory_utilization=share, max_model_len=None,
+                          distributed_executor_backend="external_launcher", seed=spec.SEED,
+                          max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", dtype=dtype,
+                          enable_sleep_mode=spec.sampler.vllm_sleep)
+            if spec.sampler.vllm_sleep:
+                llm.sleep(level=2)  # as TRL: asleep until the first generation pushes weights
+            _ENGINE.update(key=key, llm=llm, asleep=spec.sampler.vllm_sleep)
         self.llm = _ENGINE["llm"]
 
     def describe(self) -> str:
         return describe_sampler(self.spec)
 
+    @property
+    def asleep(self) -> bool:
+        """Whether sleep mode has dropped the engine's weights (the next generation must push them first)."""
+        return bool(_ENGINE.get("asleep"))
+
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
+        if _ENGINE.get("asleep"):  # sleep level 2 dropped the weights: map them again, then push ours (as TRL)
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            _ENGINE["asleep"] = False
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
         for name, param in policy.named_parameters():  # (a compiled module's names carry a prefix vLLM lacks)
             model.load_weights([(name.removeprefix("_orig_mod."), param.detach())])
@@ -203,9 +220,36 @@ class VLLMSampler:
         s = self.spec
         params = [SamplingParams(n=1, temperature=s.TEMPERATURE, top_p=s.TOP_P, top_k=s.TOP_K, max_tokens=s.MAX_TOKENS,
                                  logprobs=0, seed=seed) for seed in request_seeds(len(prompt_ids))]
+        sleep = self.spec.sampler.vllm_sleep
+        if sleep:
+            self.llm.wake_up(tags=["kv_cache"])
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                                     use_tqdm=False)
+        if sleep:  # the trainer's step gets the engine's memory back until the next round
+            self.llm.sleep(level=2)
+            _ENGINE["asleep"] = True
         return vllm_completions(outputs)
+
+
+def engine_share(spec) -> float:
+    """vLLM's gpu_memory_utilization for this process's engine: the spec's share, of GPU_MEMORY_GB when that is set
+    (a 0.3 share of a 31.8 GiB card is 9.5 GiB on any card)."""
+    share = spec.sampler.vllm_gpu_memory_utilization
+    if not spec.GPU_MEMORY_GB:
+        return share
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return round(share * spec.GPU_MEMORY_GB * 2**30 / total, 4)
+
+
+def _model_shape(checkpoint) -> str:
+    """What an engine is built for: the checkpoint's config.json without its name (an engine serves any checkpoint
+    of that shape: the weights are pushed before each round)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    config.pop("_name_or_path", None)
+    return json.dumps(config, sort_keys=True)
 
 
 def describe_sampler(spec) -> str:
@@ -215,7 +259,9 @@ def describe_sampler(spec) -> str:
         how = f"noise {s.noise_scale:g} x tensor std" if s.emulation == "noise" else "weights rounded to bfloat16"
         return f"{EmulatedSampler.label} ({how})"
     if s.kind == "vllm":
-        return f"{VLLMSampler.label}, gpu_memory_utilization {s.vllm_gpu_memory_utilization}"
+        of = f" of GPU_MEMORY_GB {spec.GPU_MEMORY_GB:g}" if spec.GPU_MEMORY_GB else ""
+        return f"{VLLMSampler.label}, gpu_memory_utilization {s.vllm_gpu_memory_utilization}{of}" + (
+            ", sleep mode" if s.vllm_sleep else "")
     return s.kind
 
 
