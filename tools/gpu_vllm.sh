@@ -5,6 +5,7 @@
 #   PART=.vparts/vllm.part00 bash tools/gpu_vllm.sh stage      # one call per part (and per deps group folder)
 #   bash tools/gpu_vllm.sh check                               # reassemble, install to /tmp/vsite, import, generate
 #   BENCH_LIMIT=150 bash tools/gpu_vllm.sh run                 # the vLLM matrix, the mismatch figures (gpu_vllm_run.py)
+#   bash tools/gpu_vllm.sh cap32                               # issue 48: the lesson's runs capped to 31.8 GiB (gpu_vllm32.py)
 # Here, once (git-ignored: echo /.vparts/ >> .git/info/exclude):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d /tmp/w vllm==0.24.0 && mkdir -p .vparts && split -b 56m -d /tmp/w/vllm-*.whl .vparts/vllm.part
@@ -85,6 +86,13 @@ run)  # issue 41's checks in one process (tools/gpu_vllm_run.py), then the misma
       --samplers bfloat16,noise,vllm --json "$OUT/mismatch_bench.json" > "$OUT/mismatch_bench.log" 2>&1
     echo "bench mismatch: exit $?" >> "$OUT/mismatch_bench.log"; grep -E "^\||exit|Error" "$OUT/mismatch_bench.log" | tail -12
   fi
+  ;;
+cap32)  # issue 48: the IS cells, a 10-step lockstep pair and a free-run cell on vLLM, one process capped to 31.8 GiB
+  install
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  timeout "${RUN_LIMIT:-540}" python3 tools/gpu_vllm32.py "$OUT" > "$OUT/cap32_full.log" 2>&1
+  echo "gpu_vllm32: exit $?" | tee -a "$OUT/cap32_full.log"
+  grep -v -i "warn" "$OUT/cap32_full.log" | grep -E "^==|^\||parity|cell|Error|exit|memory" | tail -60
   ;;
 esac
 exit 0
