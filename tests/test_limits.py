@@ -105,7 +105,7 @@ def test_a_cuda_spec_is_not_judged_by_this_machines_ram(monkeypatch):
 
 
 def test_validate_refuses_a_micro_batch_over_the_machine(monkeypatch, capsys):
-    monkeypatch.setattr(limits, "machine_memory", lambda device, share=0.0: (2 ** 20, "the 1.0 MiB here"))
+    monkeypatch.setattr(limits, "machine_memory", lambda device, share=0.0, gpu_gib=0.0: (2 ** 20, "the 1.0 MiB here"))
     assert main(["validate", "--spec", str(DEFAULT_SPEC), "--set", "PROMPTS_PER_STEP=64", "--set",
                  "GROUP_SIZE=64", "--set", "GRAD_ACCUM=1"]) == 2
     err = capsys.readouterr().err.strip()
