@@ -12,7 +12,8 @@ delta = logp_trainer - logp_sampler (mean, |delta| percentiles, mean exp|delta|,
 Samplers: `vllm` (needs vLLM and a GPU; built last, it keeps its memory), `noise` (the emulated sampler as the
 matrix's `is=` cells use it where no vLLM is: noise 0.02 x each tensor's std), `bfloat16` (the emulated sampler with
 only the weights rounded to bf16 as an inference engine holds them), `policy` (the trainer's own weights through the
-harness's decoder: the log-probs the decode itself computes, against the training forward).
+harness's decoder: the log-probs the decode itself computes, against the training forward); `noise@0.003` is the
+noise stand-in at another scale, to calibrate it against vLLM's figures.
 
     python tools/sampler_mismatch.py --spec harness/specs/default.toml --set 'DEVICE="cuda"' \
         --set 'DTYPE="bfloat16"' --samplers noise,bfloat16,vllm --rounds 4 --json out.json
@@ -36,6 +37,9 @@ def sampler_spec(spec, name: str):
     from harness.diagnose.matrix import EMULATED_NOISE
     from harness.diagnose.preflight import apply_alignment
 
+    if name.startswith("noise@"):  # noise@0.003: the noise stand-in at another scale (to calibrate it)
+        return apply_alignment(spec, {"set": {"sampler.kind": "emulated", "sampler.emulation": "noise",
+                                              "sampler.noise_scale": float(name[6:])}, "set_trl": {}})
     sets = {"policy": {"sampler.kind": "policy"},
             "bfloat16": {"sampler.kind": "emulated", "sampler.emulation": "bfloat16"},
             "noise": {"sampler.kind": "emulated", "sampler.emulation": "noise", "sampler.noise_scale": EMULATED_NOISE},
@@ -66,7 +70,7 @@ def measure(spec, names: list[str], rounds: int, log=print) -> dict:
     schedule = prompt_schedule(len(rows), rounds, spec.PROMPTS_PER_STEP, spec.SEED)
     logp_temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE
     out = {}
-    for name in sorted(names, key=SAMPLERS.index):  # vLLM last: its engine keeps its memory
+    for name in sorted(names, key=lambda n: SAMPLERS.index(n.split("@")[0])):  # vLLM last: its engine keeps its memory
         s_spec = sampler_spec(spec, name)
         t0 = time.perf_counter()
         if name == "policy":
@@ -128,6 +132,13 @@ def table(results: dict, spec) -> str:
     return "\n".join(lines)
 
 
+def _noise_at(name: str) -> bool:
+    try:
+        return name.startswith("noise@") and float(name[6:]) >= 0
+    except ValueError:
+        return False
+
+
 def main(argv=None) -> int:
     from harness.experiment.spec import SpecError, load_spec
 
@@ -135,12 +146,12 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--samplers", default="bfloat16,noise,vllm",
-                    help=f"comma-separated, of {', '.join(SAMPLERS)} (default: bfloat16,noise,vllm)")
+                    help=f"comma-separated, of {', '.join(SAMPLERS)}, or noise@SCALE (default: bfloat16,noise,vllm)")
     ap.add_argument("--rounds", type=int, default=4, help="generation rounds of the spec's prompts (default 4)")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.samplers.split(",") if n.strip()]
-    bad = [n for n in names if n not in SAMPLERS]
+    bad = [n for n in names if n not in SAMPLERS and not _noise_at(n)]
     if bad or not names:
         ap.error(f"--samplers: {', '.join(bad) or 'none given'}: each one of {', '.join(SAMPLERS)}")
     if args.rounds < 1:
