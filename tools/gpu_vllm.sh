@@ -87,6 +87,12 @@ run)  # issue 41's checks in one process (tools/gpu_vllm_run.py), then the misma
     echo "bench mismatch: exit $?" >> "$OUT/mismatch_bench.log"; grep -E "^\||exit|Error" "$OUT/mismatch_bench.log" | tail -12
   fi
   ;;
+mismatch)  # issue 48 item 2: vLLM's log-prob mismatch at the lesson's shape beside the stand-ins (SAMPLERS, noise@SCALE)
+  install
+  timeout "${BENCH_LIMIT:-300}" python3 tools/sampler_mismatch.py --spec harness/specs/bench.toml --rounds 1 \
+    --samplers "${SAMPLERS:-bfloat16,noise,vllm}" --json "$OUT/mismatch_bench.json" > "$OUT/mismatch_bench.log" 2>&1
+  echo "bench mismatch: exit $?" >> "$OUT/mismatch_bench.log"; grep -E "^\||exit|Error" "$OUT/mismatch_bench.log" | tail -12
+  ;;
 cap32)  # issue 48: the IS cells, a 10-step lockstep pair and a free-run cell on vLLM, one process capped to 31.8 GiB
   install
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
