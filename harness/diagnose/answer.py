@@ -71,9 +71,10 @@ def _untold(lead: dict) -> list[str]:
             continue
         alike = sep and UNTOLD_TAIL in said  # a look-alike setting: the setting, and that it does as well
         text = said.split(UNTOLD_TAIL)[0].removeprefix("with ") + " does as well" if alike else said if sep else note
-        stage = stage.rstrip(": ")
+        stage = stage.rstrip(": ") if sep else ""
         line = short_numbers(f"{stage}: {text}" if stage else text)
-        out.append(line if alike else line[:1].upper() + line[1:])  # a setting keeps its name as TRL spells it
+        named = alike or "_" in line.split(" ", 1)[0]  # a setting keeps its name as TRL spells it
+        out.append(line if named else line[:1].upper() + line[1:])
     return list(dict.fromkeys(out))
 
 
