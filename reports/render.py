@@ -19,7 +19,7 @@ from urllib.parse import quote
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from harness.diagnose.answer import short_numbers
+from harness.diagnose.answer import short_numbers, training_divergence
 from harness.runlog.atomic import atomic_write_text
 from reports import svg
 
@@ -52,6 +52,7 @@ def _env() -> Environment:
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = _num
     env.filters["short"] = short_numbers
+    env.filters["parted"] = training_divergence  # where a cell's runs part, as its headline says it
     return env
 
 

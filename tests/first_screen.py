@@ -4,6 +4,9 @@ could not tell), nothing is wider than the page (every <details> opened), and no
 appears twice. Chromium is Debian's (.ci/run installs it); without it `CHROMIUM` is None and the callers skip.
 
     python tests/first_screen.py RUN_DIR [PNG]   # render RUN_DIR/report.html, print what is wrong, save the screen
+
+The tests that run the five public loops (tests/test_public_loops.py) and examples/my_grpo.py with its switches
+(tests/test_explain.py, tests/test_your_loop.py) call `check_report` on the run they made: no run is made for it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,26 @@ def problems(report: Path, shot: Path | None = None) -> list[str]:
         out.append(f"wider than the page ({seen['page_width']} px): {seen['wide'][:5]}")
     out += [f"said twice: {p[:90]}" for p in repeated(seen["texts"])]
     return out
+
+
+def check_report(run_dir: Path, name: str) -> None:
+    """For a test that ran a loop: its report written, inert, and its first screen as `problems` wants it. Without
+    Chromium the browser half is not run, said by a warning; with SHOTS set, the first screen is saved there as
+    NAME.png."""
+    import os
+    import warnings
+
+    from reports.render import write_parity_report
+    from test_report_safety import assert_inert
+
+    report = write_parity_report(run_dir)
+    assert_inert(report.read_text())
+    if CHROMIUM is None:
+        warnings.warn("no chromium here: the report's first screen was not checked (.ci/run installs it)")
+        return
+    shots = os.environ.get("SHOTS")
+    found = problems(report, Path(shots) / f"{name}.png" if shots else None)
+    assert found == [], found
 
 
 if __name__ == "__main__":
