@@ -23,6 +23,9 @@ ANSWER = ("#answer-sentence", "#trl-table", "#cannot-set", "#untold")
 # completions (class "data": a group's prompt is on each of its rows) are the model's text, not the report's
 BLOCKS = "p, li, td, th, pre, summary, #answer-sentence, .parting"
 
+# more than 4 numbers in a row, which the page says as '12 rates, 3.1e-07 to 3.5e-08' or draws
+RAW_LIST = re.compile(r"-?\d[\d.e+-]*(?:, -?\d[\d.e+-]*){4,}")
+
 _WIDE = """() => Array.from(document.querySelectorAll('body *')).filter(e => {
   const r = e.getBoundingClientRect(); return r.width > 0 && (r.right > innerWidth + 0.5 || r.left < -0.5);
 }).map(e => e.tagName + (e.id ? '#' + e.id : '') + ' ' + Math.round(e.getBoundingClientRect().right))"""
@@ -84,6 +87,7 @@ def problems(report: Path, shot: Path | None = None) -> list[str]:
     if seen["page_width"] > WIDTH or seen["wide"]:
         out.append(f"wider than the page ({seen['page_width']} px): {seen['wide'][:5]}")
     out += [f"said twice: {p[:90]}" for p in repeated(seen["texts"])]
+    out += [f"a raw list of numbers: {m.group(0)[:90]}" for t in seen["texts"] for m in [RAW_LIST.search(t)] if m]
     return out
 
 
