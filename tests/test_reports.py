@@ -132,6 +132,9 @@ def test_the_answer_on_your_loop_comes_first_in_a_sentence_a_table_and_two_lists
     suspected = your_loop_answer(_explained_doc("suspected"))["sentence"]
     assert suspected.startswith("Your loop is TRL with 2 settings changed, plus 1 thing TRL cannot set; suspected, "
                                 "not confirmed over 12 steps: no setting found reproduces every step")
+    parts = your_loop_answer(_explained_doc("suspected", parts={"step": 2, "metrics": ["grad_norm", "loss"]}))
+    assert parts["sentence"].endswith("suspected, not confirmed over 12 steps: the closest found still parts at step 2 "
+                                      "on grad_norm, loss.")
     lines = answer_lines(answer)
     assert len(lines) <= 15 and lines[0] == answer["sentence"] and lines[1:4] == answer["table"].splitlines()
     text = format_verdict(_explained_doc()).splitlines()

@@ -112,7 +112,9 @@ def your_loop_answer(doc: dict) -> dict | None:
 
 def _still_parts(lead: dict) -> str:
     """Why a suspected explanation is not confirmed, in a few words."""
-    confirmed_by = lead.get("confirmed_by")
+    confirmed_by, parts = lead.get("confirmed_by"), lead.get("parts")
+    if confirmed_by is None and parts:
+        return f"the closest found still parts at step {parts['step']} on {', '.join(parts['metrics'])}"
     if confirmed_by is None:
         return "no setting found reproduces every step of your loop (the closest is the table below)"
     if not confirmed_by.get("scratch"):

@@ -313,6 +313,8 @@ def _suspected(entry: dict, answer: Answer, evidence: str, search: Search, state
     entry.update(status="suspected", evidence=evidence, fix={"trl": answer.trl, "scratch": answer.quirks,
                                                              "sentence": evidence},
                  runs=search.runs, **({"written": str(path)} if state.changes else {}))
+    if state.outside:  # where the closest still parts: the answer's first sentence says it
+        entry["parts"] = {"step": state.agree + 1, "metrics": list(state.outside[:4])}
     log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
     return entry
 
