@@ -19,6 +19,7 @@ from urllib.parse import quote
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
+from harness.diagnose.answer import short_numbers, training_divergence
 from harness.runlog.atomic import atomic_write_text
 from reports import svg
 
@@ -50,6 +51,8 @@ def _env() -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = _num
+    env.filters["short"] = short_numbers
+    env.filters["parted"] = training_divergence  # where a cell's runs part, as its headline says it
     return env
 
 
@@ -588,7 +591,38 @@ def _cell_view(cell: dict, tolerances: dict, mode: str, full: bool = True) -> di
 # ---------------------------------------------------------------------------------------------
 # pages
 # ---------------------------------------------------------------------------------------------
+# the report on your loop's one script: its copy button puts the [trl] table on the clipboard (no data in it)
+COPY_SCRIPT = Markup("""
+document.querySelectorAll("button.copy").forEach(function (button) {
+  button.addEventListener("click", function () {
+    var source = document.getElementById(button.dataset.copy);
+    function done() { button.textContent = "copied"; }
+    function select() {
+      var range = document.createRange();
+      range.selectNodeContents(source);
+      window.getSelection().removeAllRanges();
+      window.getSelection().addRange(range);
+      document.execCommand("copy");
+      done();
+    }
+    if (navigator.clipboard) { navigator.clipboard.writeText(source.textContent).then(done, select); } else { select(); }
+  });
+});
+""")
+
+
+def _other_notes(explained: dict, answer: dict) -> list[str]:
+    """The explanation's notes that the page does not already say: not what the run could not tell (the answer's
+    list) and not a stage's read (the stage table holds each rule)."""
+    from harness.diagnose.answer import UNTOLD
+
+    rules = {f.get("rule") for f in explained.get("identified") or []}
+    return [n for n in explained.get("notes") or []
+            if UNTOLD not in n and "cannot tell" not in n and n.split(": ", 1)[-1] not in rules]
+
+
 def write_parity_report(out_dir: str | Path) -> Path:
+    from harness.diagnose.answer import short_value, your_loop_answer
     from harness.diagnose.compare import load_tolerances
     from harness.diagnose.verdict import headline
 
@@ -602,6 +636,12 @@ def write_parity_report(out_dir: str | Path) -> Path:
             full.add(i)
             seen.add(c.get("expected_cause"))
     cells = [_cell_view(c, tolerances, doc.get("mode", "lockstep"), full=i in full) for i, c in enumerate(doc["cells"])]
+    answer = your_loop_answer(doc)
+    if answer and cells[0].get("explained"):  # your loop, explained: the answer first, the evidence folded below
+        html = _env().get_template("yours.html.j2").render(
+            doc=doc, cells=cells, answer=answer, parting=headline(doc)["sentence"].split(". ")[0] + ".",
+            notes=_other_notes(cells[0]["explained"], answer), short_value=short_value, copy_script=COPY_SCRIPT)
+        return _write_report(out_dir, html)
     cols, matrix_rows = _matrix_view(doc["cells"])
     dtype = next((c["_dtype"] for c in cells if c["_frames"][0] is not None), "float32")
     limit = tolerances.get("lockstep", {}).get(dtype or "float32", {}).get("param_rel_l2", {}).get("max")
@@ -609,6 +649,10 @@ def write_parity_report(out_dir: str | Path) -> Path:
     html = _env().get_template("parity.html.j2").render(doc=doc, cells=cells, matrix_cols=[SHORT.get(c, c) for c in cols],
                                                          matrix_rows=matrix_rows, headline=headline(doc),
                                                          overview=overview)
+    return _write_report(out_dir, html)
+
+
+def _write_report(out_dir: Path, html: str) -> Path:
     path = out_dir / "report.html"
     atomic_write_text(path, html)
     try:

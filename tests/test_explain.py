@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
+from first_screen import check_report
 from harness.diagnose.explain import scratch_as_trl, trl_fields
 from harness.diagnose.logged import settings_from_log
 from harness.diagnose.matrix import run_matrix
@@ -77,6 +78,7 @@ def test_every_difference_is_found_and_the_table_plus_quirks_reproduce_the_loop(
     text = format_verdict(doc)
     assert "found settings that reproduce your loop within tolerance" in " ".join(text.split()), text
     assert all(k in text for k in [*trl, *quirks]), text
+    check_report(tmp_path / "a", f"my_grpo-{case}")  # the report on it: the answer on its first screen
     # the table (and the quirks on the built-in loop) against the same loop: parity, checked from scratch
     sets = [f"trl.{k}={json.dumps(v)}" for k, v in trl.items()]
     if quirks:  # TRL cannot have them: the built-in loop, set up with the table's meaning and the quirks, is the side

@@ -9,6 +9,7 @@ import json
 import sys
 
 from conftest import DEFAULT_SPEC, ROOT
+from first_screen import check_report
 from harness.diagnose.matrix import run_matrix
 from harness.experiment.spec import load_spec
 
@@ -31,6 +32,7 @@ def test_verls_grpo_math_as_a_one_process_loop(tmp_path):
     assert found["fix"]["scratch"] == {"STD_EPS": 1e-06, "MICRO_BATCH_ORDER": "rollout", "WEIGHT_DECAY_ALL": True}
     weighting = next(f for f in found["identified"] if f["stage"] == "weighting")
     assert "leaves the KL term out" in weighting["rule"], weighting
+    check_report(tmp_path, "verl")
 
 
 def _explained(tmp_path, name: str, *flags: str, tensor_steps: int = 6) -> dict:
@@ -39,6 +41,7 @@ def _explained(tmp_path, name: str, *flags: str, tensor_steps: int = 6) -> dict:
                                               f"loop.tensor_steps={tensor_steps}"]), tmp_path, "none", **QUIET)
     cell = doc["cells"][0]
     assert cell["verdict"] == "diverged", cell.get("error")
+    check_report(tmp_path, name.removesuffix(".py"))  # the report on it: the answer on its first screen
     return cell["attribution_detail"][0]
 
 

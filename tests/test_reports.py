@@ -69,6 +69,79 @@ def test_the_headline_names_the_first_training_metric_that_parts_not_a_statistic
         "The two loops part at step 1, first on prompts_in_step.")
 
 
+def test_the_cell_tables_first_divergence_is_the_headlines_training_metric():
+    """The summary's cell table names where the loops part as the headline does (issue 47 item 6, 49 item 5): against
+    your loop grad_norm at step 4, not compare's kl at step 2; 'statistics only' where only statistics part; the
+    built-in sides' first divergence as it is."""
+    from harness.diagnose.verdict import format_verdict
+
+    def row(sides, first, **parted):
+        cell = {"name": "c", "expected": "parity", "verdict": "diverged", "ok": False, "sides": sides,
+                "first_divergence": first, "attribution_detail": [],
+                "metrics": {m: {"first_outside": s} for m, s in parted.items()}}
+        text = format_verdict({"ok": False, "mode": "lockstep", "matrix": "none", "elapsed_s": 1, "cells": [cell]})
+        return next(line for line in text.splitlines() if line.startswith("c ")).split()[3:6]
+
+    kl = {"step": 2, "metric": "kl"}
+    assert row(["yours", "trl"], kl, kl=2, loss=None, grad_norm=4) == ["step", "4", "grad_norm"]
+    assert row(["yours", "trl"], kl, kl=2, loss=None) == ["statistics", "only", "-"]
+    assert row(["scratch", "trl"], {"step": 1, "metric": "prompts_in_step"}, prompts_in_step=1) == \
+        ["step", "1", "prompts_in_step"]
+
+
+def _explained_doc(status="confirmed", **entry) -> dict:
+    """A verdict of your loop, explained: two TRL fields, a schedule TRL cannot set, and what the run could not
+    tell (a stage's, a look-alike's, a clip threshold's)."""
+    rates = [0.0, 2.5e-07, 5e-07, 4.997e-07, 4.988e-07, 4.974e-07, 4.954e-07, 4.928e-07, 4.897e-07, 4.86e-07,
+             4.818e-07, 4.77e-07]
+    notes = ["at step 1 these are outside tolerance: grad_norm, loss",
+             "optimizer, read from your tensors: your loop steps Adam",
+             "optimizer: this run could not tell: the learning rate per step (0, 1.002e-06, 9.116e-07, 8.218e-07, "
+             "7.307e-07, 6.379e-07) follows neither a constant nor a linear-to-0 schedule",
+             "this run could not tell: with beta = 0.001 (or 0.01) instead of 0.0, the built-in loop reproduces your "
+             "loop over all 12 steps as well (the effect stays under the tolerance here)",
+             "max_grad_norm: 1 and 2 each reproduce your loop over all 12 steps, so the run cannot tell which it has"]
+    lead = {"cause": "x", "status": status, "differences": [], "notes": notes,
+            "fix": {"trl": {"loss_type": "dapo", "learning_rate": 5e-07}, "scratch": {"LR_STEPS": rates}}, **entry}
+    cell = {"name": "yours-vs-trl", "expected": "parity", "verdict": "diverged", "ok": False, "sides": ["yours", "trl"],
+            "first_divergence": {"step": 1, "metric": "reward"}, "attribution_detail": [lead],
+            "metrics": {"reward": {"first_outside": 1}, "loss": {"first_outside": 1}}}
+    return {"ok": False, "mode": "lockstep", "matrix": "none", "elapsed_s": 1, "base_spec": {"STEPS": 12},
+            "cells": [cell]}
+
+
+def test_the_answer_on_your_loop_comes_first_in_a_sentence_a_table_and_two_lists():
+    """Issue 49: the sentence counts the table's fields and what TRL cannot set and says how sure; the switch's
+    12 rates are said by their count and ends, as is a run of 6 numbers in a sentence (4 stay as they are); what
+    the run could not tell is one line each, a look-alike as its setting; the summary prints all of it first."""
+    from harness.diagnose.answer import answer_lines, short_numbers, your_loop_answer
+    from harness.diagnose.verdict import format_verdict
+
+    answer = your_loop_answer(_explained_doc())
+    assert answer["sentence"] == ("Your loop is TRL with 2 settings changed, plus 1 thing TRL cannot set; confirmed "
+                                  "over 12 steps.")
+    assert answer["table"] == '[trl]\nloss_type = "dapo"\nlearning_rate = 5e-07\n'
+    assert answer["cannot_set"] == [{"words": "follows a learning-rate schedule of its own, 12 rates from 0 to "
+                                              "4.77e-07 (TRL's are named schedules over the run's steps)",
+                                     "field": "LR_STEPS", "value": "12 rates, 0 to 4.77e-07"}]
+    assert answer["untold"] == [
+        "Optimizer: the learning rate per step (6 values, 0 to 6.379e-07) follows neither a constant nor a linear-to-0 "
+        "schedule", "beta = 0.001 (or 0.01) instead of 0.0 does as well",
+        "max_grad_norm: 1 and 2 each reproduce your loop over all 12 steps, so the run cannot tell which it has"]
+    assert short_numbers("beta2: 0.999, 0.99, 0.98, 0.9999 fit") == "beta2: 0.999, 0.99, 0.98, 0.9999 fit"
+    suspected = your_loop_answer(_explained_doc("suspected"))["sentence"]
+    assert suspected.startswith("Your loop is TRL with 2 settings changed, plus 1 thing TRL cannot set; suspected, "
+                                "not confirmed over 12 steps: no setting found reproduces every step")
+    parts = your_loop_answer(_explained_doc("suspected", parts={"step": 2, "metrics": ["grad_norm", "loss"]}))
+    assert parts["sentence"].endswith("suspected, not confirmed over 12 steps: the closest found still parts at step 2 "
+                                      "on grad_norm, loss.")
+    lines = answer_lines(answer)
+    assert len(lines) <= 15 and lines[0] == answer["sentence"] and lines[1:4] == answer["table"].splitlines()
+    text = format_verdict(_explained_doc()).splitlines()
+    assert text[2:2 + len(lines)] == lines and text[3 + len(lines)].startswith("cell ")  # the answer, then the table
+    assert "step 1 loss" in text[4 + len(lines)]  # the training metric, not the reward
+
+
 def test_only_metrics_that_differ_get_a_curve():
     import pandas as pd
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
+from first_screen import check_report
 from harness.diagnose.matrix import run_matrix
 from harness.experiment.spec import load_spec
 from loop_runner.run import LoopError, read_loop_metrics
@@ -56,6 +57,7 @@ def test_two_differences_are_explained_in_trl_terms_and_the_table_gives_parity(t
     assert found["fix"]["trl"] == {"loss_type": "dapo", "scale_rewards": "none"}
     table = (tmp_path / "a" / "your_loop_in_trl.toml").read_text()
     assert 'loss_type = "dapo"' in table and 'scale_rewards = "none"' in table
+    check_report(tmp_path / "a", "my_grpo-loss-agg-token-adv-scale-none")  # the answer on its first screen
     # TRL with the written table against the same loop: parity
     fields = [line.replace(" = ", "=") for line in table.splitlines() if " = " in line and not line.startswith("#")]
     again = run_matrix(loop_spec(f"{EXAMPLE} --loss-agg token --adv-scale none", "STEPS=12",

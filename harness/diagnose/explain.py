@@ -277,6 +277,10 @@ def _look_alikes(search: Search, state: Trial, yours) -> tuple[list[str], dict]:
     return notes, cost
 
 
+# what follows the setting in each look-alike note (the answer on the first screen shows the setting alone)
+UNTOLD_TAIL = ", the built-in loop reproduces your loop over all "
+
+
 def untold_words(search, changes: dict) -> list[str]:
     """For a confirmed explanation: the look-alike settings (LOOK_ALIKE) that reproduce your loop over every step as
     well, each said as what this run could not tell (a verdict claims only what the run shows)."""
@@ -294,8 +298,8 @@ def untold_words(search, changes: dict) -> list[str]:
             named = ", ".join(f"{k} = {toml_value(v)}" for k, v in trl.items())
             out.append(f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, alike[1:]))})"
                                                                     if alike[1:] else "")
-                       + f" instead of {toml_value(have)}, the built-in loop reproduces your loop over all "
-                       f"{search.steps} steps as well (the effect stays under the tolerance here)")
+                       + f" instead of {toml_value(have)}{UNTOLD_TAIL}{search.steps} steps as well (the effect "
+                       "stays under the tolerance here)")
     return out
 
 
@@ -309,6 +313,8 @@ def _suspected(entry: dict, answer: Answer, evidence: str, search: Search, state
     entry.update(status="suspected", evidence=evidence, fix={"trl": answer.trl, "scratch": answer.quirks,
                                                              "sentence": evidence},
                  runs=search.runs, **({"written": str(path)} if state.changes else {}))
+    if state.outside:  # where the closest still parts: the answer's first sentence says it
+        entry["parts"] = {"step": state.agree + 1, "metrics": list(state.outside[:4])}
     log(f"    explain: {search.runs} runs, {search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
     return entry
 

@@ -199,9 +199,8 @@ FIELDS = {
             True: "takes that token out of the sequence the model sees (packing without pad tokens); TRL feeds every "
                   "generated token and has no option not to"}),
     "LR_STEPS": Field(
-        None, words=lambda v: ("follows a learning-rate schedule of its own, per step "
-                               + ", ".join(f"{x:.4g}" for x in v[:6]) + (", ..." if len(v) > 6 else "")
-                               + " (TRL's are named schedules over the run's steps)"),
+        None, words=lambda v: (f"follows a learning-rate schedule of its own, {len(v)} rates from {v[0]:.4g} to "
+                               f"{v[-1]:.4g} (TRL's are named schedules over the run's steps)"),
         trl_fixed=[], quantity="learning rate per optimizer step", preflight_words={
             "*": "follows a learning-rate schedule of its own, one rate per step; TRL's are named schedules over the "
                  "run's steps (lr_scheduler_type, warmup_steps) and it has no option for another"}),

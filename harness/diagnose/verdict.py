@@ -150,16 +150,21 @@ def cell_line(v: dict) -> str:
 
 
 def format_verdict(doc: dict) -> str:
+    from harness.diagnose.answer import answer_lines, training_divergence, your_loop_answer
+
     selected = f" (cells {', '.join(doc['cells_selected'])})" if doc.get("cells_selected") else ""
     state = "OK" if doc["ok"] else "NOT OK" if doc.get("complete", True) else "INCOMPLETE"
     lines = [f"parity {state}: {sum(v['ok'] for v in doc['cells'])}/{len(doc['cells'])} "
              f"cells as expected ({doc['mode']}, matrix {doc['matrix']}{selected}, {doc['elapsed_s']:.0f} s)", ""]
     if (doc.get("ran") or {}).get("text"):
         lines.insert(1, f"ran: {doc['ran']['text']}")
+    answer = your_loop_answer(doc)
+    if answer:  # your loop: the answer first, in 15 lines at most; the table and the evidence after it
+        lines += [*answer_lines(answer), ""]
     lines.append(f"{'cell':30s} {'expected':9s} {'got':9s} {'first divergence':28s} cause")
     for v in doc["cells"]:
-        fd = v.get("first_divergence")
-        fd_s = f"step {fd['step']} {fd['metric']}" if fd else "-"
+        fd, parted = v.get("first_divergence"), training_divergence(v)  # the headline's metric
+        fd_s = f"step {parted['step']} {parted['metric']}" if parted else "statistics only" if fd else "-"
         cause = v["error"][:60] if v["verdict"] in ("failed", "error") else \
             f"{_no_effect_label(v)} (see below)" if v.get("cannot_show") else (_cause(v) or "-")
         lines.append(f"{v['name']:30s} {v['expected']:9s} {v['verdict']:9s} {fd_s:28s} {cause}"
@@ -232,23 +237,18 @@ def _your_loop_found(c: dict) -> tuple[str, list[str]]:
 
 def _parting(c: dict) -> str:
     """Where a diverged cell's runs part, said first: 'The two loops part at step N, first on M.' Against your loop M
-    is the first metric training computes to leave tolerance (loss, grad_norm, learning_rate, the final weights:
-    not is_derived), not compare's first_divergence, which may be a statistic (kl, reward_std) that the same verdict
-    calls defined differently in your loop while training parts steps later; where only statistics part, said so.
-    The built-in sides define their statistics alike: their first divergence is named as it is (prompts_in_step)."""
+    is the first metric training computes to leave tolerance (answer.training_divergence, as the cell table names
+    it), not compare's first_divergence, which may be a statistic (kl, reward_std) that the same verdict calls
+    defined differently in your loop while training parts steps later; where only statistics part, said so."""
+    from harness.diagnose.answer import training_divergence
     from harness.diagnose.compare import PRIORITY, is_derived
 
-    fd = c["first_divergence"]
-    if "yours" not in c.get("sides", ()):
-        return f"The two loops part at step {fd['step']}, first on {fd['metric']}."
-    rank = {m: i for i, m in enumerate(PRIORITY)}
-    metrics = c.get("metrics") or {}
-    trains = {m: v.get("first_outside") for m, v in metrics.items() if not is_derived(m)}
-    parted = sorted((step, rank.get(m, len(rank)), m) for m, step in trains.items() if step is not None)
+    fd, parted = c["first_divergence"], training_divergence(c)
     if parted:
-        step, _rank, m = parted[0]
-        return f"The two loops part at step {step}, first on {m}" + (" (the final weights)." if m == "param_rel_l2"
-                                                                     else ".")
+        return (f"The two loops part at step {parted['step']}, first on {parted['metric']}"
+                + (" (the final weights)." if parted["metric"] == "param_rel_l2" else "."))
+    rank = {m: i for i, m in enumerate(PRIORITY)}
+    trains = [m for m in c.get("metrics") or {} if not is_derived(m)]
     said = ", ".join(sorted(trains, key=lambda m: (rank.get(m, len(rank)), m))) or "none logged by both"
     return (f"Only statistics part, first {fd['metric']} at step {fd['step']}: what training computes ({said}) agrees "
             "at every compared step.")
