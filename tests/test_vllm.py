@@ -112,7 +112,7 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
     fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setattr(samplers, "_ENGINE", {})
-    spec = small_spec('sampler.kind="vllm"')
+    spec = small_spec('sampler.kind="vllm"', 'sampler.vllm_engine="shared"')
 
     def draw():  # a lockstep round: seeded, the sampler (and, the first time, the engine) made inside it
         with torch.random.fork_rng():
@@ -135,10 +135,15 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
     a.generate([[1]])
     draw()
     assert params[0] == params[2] and len(set(params[0])) == 3  # the same seeds again, one per request
-    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5"), ckpt)
+    samplers.VLLMSampler(small_spec('sampler.kind="vllm"', 'sampler.vllm_engine="shared"',
+                                    "sampler.vllm_gpu_memory_utilization=0.5"), ckpt)
     assert len(built) == 2 and built[1]["gpu_memory_utilization"] == 0.5
     samplers.VLLMSampler(spec, _checkpoint(tmp_path / "c", hidden_size=16))  # another shape: another engine
     assert len(built) == 3 and not built[2]["enable_sleep_mode"]
+    per_side = small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5")  # the default
+    samplers.VLLMSampler(per_side, ckpt)
+    samplers.VLLMSampler(per_side, _checkpoint(tmp_path / "d"))  # per side: one engine per checkpoint, as before
+    assert len(built) == 5
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     a.sync_weights(torch.compile(net))  # a compiled module's names carry `_orig_mod.`

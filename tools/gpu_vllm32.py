@@ -6,10 +6,11 @@
 3. a free-run `matched` cell, 2 seeds a side, 4 steps, 128 tokens: TRL's generation on the same engine.
 
 Every part runs with GPU_MEMORY_GB (31.8 GiB, an RTX 5090: torch's allocator capped to it, vLLM's 0.30 share taken
-of it) and sampler.vllm_sleep (TRL's vllm_enable_sleep_mode). A thread reads the whole card's memory in use
+of it), sampler.vllm_engine = "shared" (one engine for every side, TRL's free-run generation included) and
+sampler.vllm_sleep (TRL's vllm_enable_sleep_mode). A thread reads the whole card's memory in use
 (`nvidia-smi`, every process) every 0.2 s; each part's peak is printed beside torch's own peak. Each part's failure
 is printed without stopping the next. Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free;
-GIB=31.8; SLEEP=true; DRY=1: the same parts on CPU with the emulated sampler (a check of this script, not of vLLM).
+GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check of this script, not of vLLM).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from gpu_vllm_run import part  # noqa: E402 - the path above first
 
 DRY = os.environ.get("DRY") == "1"
 GIB = os.environ.get("GIB", "31.8")
-SETS = ['sampler.kind="vllm"', f"GPU_MEMORY_GB={GIB}", f"sampler.vllm_sleep={os.environ.get('SLEEP', 'true')}"]
+SETS = ['sampler.kind="vllm"', f'sampler.vllm_engine="{os.environ.get("ENGINE", "shared")}"', f"GPU_MEMORY_GB={GIB}",
+        f"sampler.vllm_sleep={os.environ.get('SLEEP', 'true')}"]
 SPEC = ROOT / "harness/specs/bench.toml"
 if DRY:  # the embedded default on CPU, the emulated sampler in vLLM's place
     SETS, SPEC = ['sampler.kind="emulated"'], ROOT / "harness/specs/default.toml"

@@ -433,14 +433,20 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, lockstep: b
     # lockstep on vLLM: the rollouts (vLLM's completions and log-probs, recorded by the scratch side) come through
     # rollout_func, so TRL builds no engine of its own; use_vllm goes on after construction (below), which is what
     # its IS correction reads
-    # free runs on vLLM: TRL samples through this process's one engine (harness/rollouts/samplers.py, built with the
-    # LLM arguments of TRL's colocate mode), put where TRL would build a second engine of its own (two engines of a
-    # 0.3 share each do not fit a 32 GB card beside the trainer, and each free seed's TRL run built another)
-    replay_vllm = spec.sampler.kind == "vllm"
+    # free runs on vLLM with sampler.vllm_engine = "shared": TRL samples through this process's one engine
+    # (harness/rollouts/samplers.py, built with the LLM arguments of TRL's colocate mode), put where TRL would build a
+    # second engine of its own (two engines of a 0.3 share each do not fit a 32 GB card beside the trainer, and each
+    # free seed's TRL run built another)
+    replay_vllm = spec.sampler.kind == "vllm" and (rollout_source is not None or spec.sampler.vllm_engine == "shared")
     config = translation.config(out_dir / "trl_output", disable_tqdm=True, **({"use_vllm": False} if replay_vllm else {}))
 
+    if spec.sampler.kind == "vllm" and not replay_vllm:  # TRL's own engine (vllm_engine = "per_side")
+        from harness.rollouts.samplers import vllm_environment
+
+        vllm_environment()
+
     sampler = None
-    if spec.sampler.kind in ("emulated", "vllm") and rollout_source is None:
+    if (spec.sampler.kind == "emulated" or replay_vllm) and rollout_source is None:
         from harness.rollouts.samplers import EmulatedSampler, VLLMSampler
 
         eos = eos_token_ids(model.generation_config, tokenizer)

@@ -163,9 +163,10 @@ class VLLMSampler:
     """vLLM colocated in this process (one GPU), as TRL 1.16's `vllm_mode="colocate"` builds it: the same LLM
     arguments, weights pushed with `load_weights` before each round, the sampled tokens' processed log-probs
     returned for the IS correction. One engine per process, shared by every side that samples in it: the runs of a
-    matrix (scratch runs, re-runs) and TRL's own generation in a free run (trl_runner puts this sampler where TRL
-    would build its engine), each pushing its own weights before it samples, so the engine is keyed by the model's
-    shape, not by the checkpoint it was built from; each request carries its own seed (`request_seeds`), so an
+    matrix (scratch runs, re-runs) and, with `vllm_engine = "shared"`, TRL's own generation in a free run (trl_runner
+    puts this sampler where TRL would build its engine), each pushing its own weights before it samples, so a shared
+    engine is keyed by the model's shape, not by the checkpoint it was built from (`per_side`, the default until a GPU
+    run checks `shared`: by the checkpoint, and TRL builds its own engine in a free run); each request carries its own seed (`request_seeds`), so an
     engine's history does not change a run's draws. Its memory is `vllm_gpu_memory_utilization` of the card, or of
     GPU_MEMORY_GB when set (as on a card that size); with `vllm_sleep` (TRL's vllm_enable_sleep_mode) it gives its
     weights and KV cache back between generations (sleep level 2, as TRL does)."""
@@ -176,7 +177,8 @@ class VLLMSampler:
         self.spec = spec
         dtype = "bfloat16" if spec.DTYPE == "bfloat16" else "float32"
         share = engine_share(spec)
-        key = (_model_shape(checkpoint), dtype, share, spec.sampler.vllm_sleep)
+        shared = spec.sampler.vllm_engine == "shared"
+        key = (_model_shape(checkpoint) if shared else str(checkpoint), dtype, share, spec.sampler.vllm_sleep)
         if _ENGINE.get("key") != key:
             # another model or share: a new engine (the old one's memory comes back only once nothing holds it,
             # and vLLM returns little in-process: one spec per process is the supported use)
