@@ -10,7 +10,8 @@ of it), sampler.vllm_engine = "shared" (one engine for every side, TRL's free-ru
 sampler.vllm_sleep (TRL's vllm_enable_sleep_mode). A thread reads the whole card's memory in use
 (`nvidia-smi`, every process) every 0.2 s; each part's peak is printed beside torch's own peak. Each part's failure
 is printed without stopping the next. Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free;
-GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check of this script, not of vLLM).
+GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check
+of this script, not of vLLM).
 """
 
 from __future__ import annotations
