@@ -269,9 +269,19 @@ class Spec:
     IS_CLIP_MAX: float = _f(3.0, "IS ratio upper bound.", min=0.0, min_exclusive=True)
     # --- optimizer ---
     LR: float = _f(1e-6, "Peak learning rate.", min=0.0, min_exclusive=True, max=10.0)
-    LR_SCHEDULE: str = _f("constant", "`constant`, or `linear` (decays to 0 at STEPS, TRL's default).",
-                          choices=("constant", "linear"))
-    WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR.", min=0)
+    LR_SCHEDULE: str = _f("constant", "transformers' `lr_scheduler_type` (TRL's): `constant` (with WARMUP_STEPS: "
+                          "`constant_with_warmup`), `linear` (decays to 0 at STEPS, TRL's default), `cosine`, "
+                          "`cosine_with_restarts`, `polynomial`, `constant_with_warmup`, `inverse_sqrt`, "
+                          "`cosine_with_min_lr`, `cosine_warmup_with_min_lr`, `warmup_stable_decay`; their parameters "
+                          "in LR_SCHEDULER_KWARGS. (`reduce_lr_on_plateau` and `greedy` step on a metric: not replayed.)",
+                          choices=("constant", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                                   "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr",
+                                   "cosine_warmup_with_min_lr", "warmup_stable_decay"))
+    WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR (TRL's warmup_steps; may exceed STEPS: the rate then "
+                           "climbs through the whole run).", min=0)
+    LR_SCHEDULER_KWARGS: dict = _f({}, "transformers' `lr_scheduler_kwargs` (TRL's), e.g. {min_lr_rate = 0.1} for "
+                                   "cosine_with_min_lr, {power = 1.0, lr_end = 1e-7} for polynomial, {num_cycles = 0.5}, "
+                                   "{num_decay_steps = 4, min_lr_ratio = 0.1} for warmup_stable_decay.")
     LR_STEPS: list = _f([], "A learning-rate schedule of your loop's own: the rate of each optimizer step, in order "
                         "(steps past the list keep its last rate). Set, it replaces LR_SCHEDULE and WARMUP_STEPS in the "
                         "built-in loop (a warmup from a fraction of LR, a cosine to a floor, a decay over a horizon "
@@ -472,12 +482,33 @@ def _cross_checks(spec: Spec) -> None:
                         "(or \"vllm\" on a GPU with vLLM installed), or IS_CORRECTION = false")
     if spec.IS_CLIP_MIN and spec.IS_CLIP_MIN >= spec.IS_CLIP_MAX:
         raise SpecError("IS_CLIP_MIN", f"{spec.IS_CLIP_MIN} must be below IS_CLIP_MAX = {spec.IS_CLIP_MAX}")
-    if spec.WARMUP_STEPS >= spec.STEPS and spec.WARMUP_STEPS:
-        raise SpecError("WARMUP_STEPS", f"{spec.WARMUP_STEPS} must be below STEPS = {spec.STEPS}")
+    _check_schedule(spec)
     for i, rate in enumerate(spec.LR_STEPS):
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 10 or rate != rate:
             raise SpecError(f"LR_STEPS[{i}]", f"must be a learning rate between 0 and 10, got {rate!r} (one number "
                             "per optimizer step, e.g. LR_STEPS = [0.0, 1e-6, 9.1e-7])")
+
+
+def _check_schedule(spec: Spec) -> None:
+    """LR_SCHEDULE with LR_SCHEDULER_KWARGS gives a rate at every step (transformers' own checks, said by field)."""
+    from scratch_grpo.core import lr_multiplier
+
+    for key, value in spec.LR_SCHEDULER_KWARGS.items():
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"must be a number or a word, got {value!r}")
+    if spec.LR_SCHEDULE == "polynomial" and not spec.LR_SCHEDULER_KWARGS.get("lr_end", 1e-7) < spec.LR:
+        raise SpecError("LR_SCHEDULER_KWARGS.lr_end", f"{spec.LR_SCHEDULER_KWARGS.get('lr_end', 1e-7)!r} must be "
+                        f"below LR = {spec.LR} (polynomial decays from LR to lr_end; transformers refuses otherwise)")
+    if spec.LR_SCHEDULE in ("constant", "linear", "constant_with_warmup") and not spec.LR_SCHEDULER_KWARGS:
+        return  # (no parameters to check: scratch_grpo.core, and torch, need not load)
+    try:
+        rates = [lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS, spec.LR_SCHEDULER_KWARGS, spec.LR)
+                 for s in range(spec.STEPS)]
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE}: {e}") from None
+    if not all(math.isfinite(r) for r in rates):
+        raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE} with {spec.LR_SCHEDULER_KWARGS} gives a rate that "
+                        "is not finite")
 
 
 def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
