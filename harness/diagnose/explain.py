@@ -34,6 +34,7 @@ from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
 from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
                                             loss_in_value_words, suspected_words, write_table)
+from harness.diagnose.fitted import admissible, refused_words
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
@@ -188,8 +189,9 @@ def _start(spec, data, result: dict, log) -> Start:
         peak = max(read["LR_STEPS"])  # (the peak: TRL's learning_rate, the nearest it has)
         if peak and not math.isclose(peak, base.LR, rel_tol=1e-6):
             read["LR"] = peak
-        fixed = {k: v for k, v in fixed.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
-        unsure = {k: v for k, v in unsure.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
+        schedule = ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS")
+        fixed = {k: v for k, v in fixed.items() if k not in schedule}
+        unsure = {k: v for k, v in unsure.items() if k not in schedule}
     conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v  # (a rate read within
                 and not (isinstance(v, float) and math.isclose(read[k], v, rel_tol=2e-3))}  # its fit's noise: alike)
     for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
@@ -198,7 +200,12 @@ def _start(spec, data, result: dict, log) -> Start:
     fixed = {k: v for k, v in fixed.items() if k not in conflict}
     unsure = {k: v for k, v in unsure.items() if k not in read}  # (a value your log states beats a fit's look-alike)
     notes += identify.words(findings)
-    return Start(base=base, read={**read, **fixed}, unsure=unsure, identified={**fixed, **unsure}, settles=settles,
+    start, refused = admissible(base, {**read, **fixed})  # (a fit the spec check refuses: not told, said so)
+    on_top, refused_unsure = admissible(base, {**start, **unsure})
+    unsure = {k: v for k, v in unsure.items() if k in on_top}
+    fixed = {k: v for k, v in fixed.items() if k in start}
+    notes += refused_words({**refused, **{k: v for k, v in refused_unsure.items() if k not in start}})
+    return Start(base=base, read=start, unsure=unsure, identified={**fixed, **unsure}, settles=settles,
                  settled=frozenset(set(settles) - set(conflict)), findings=findings, lr_ahead=lr_ahead,
                  notes=tuple(notes))
 

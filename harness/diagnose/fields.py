@@ -243,4 +243,6 @@ def toml_value(value) -> str:
     """A value as TOML writes it (true, "text", 0.01)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, dict):  # an inline table: {min_lr_rate = 0.1}
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value) if isinstance(value, str) else repr(value)
