@@ -1,0 +1,302 @@
+"""Learning-rate schedules fitted to the rates a loop steps at (logged, or read from its weights by the optimizer
+stage): every `lr_scheduler_type` TRL takes that steps on the step count, with its parameters in TRL's own fields
+(`warmup_steps`, `lr_scheduler_kwargs`). The simplest family that reproduces the rates wins (fewest parameters
+first); each fitted number is then the simplest one within the fit's tolerance. A warmup or a horizon longer than
+the run is written as the fields that reproduce it over the run (a linear decay to 0 over H > STEPS steps is
+`polynomial` with power 1 and lr_end = LR (H - STEPS) / (H - warmup); a cosine over H is `cosine` with num_cycles =
+0.5 (STEPS - warmup) / (H - warmup); a warmup from a fraction of LR is `warmup_stable_decay` with min_lr_ratio)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from harness.diagnose.identify.numerics import _refine
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleFit:
+    """A schedule that reproduces the rates: the spec's fields (LR_SCHEDULE `constant` with a warmup is TRL's
+    `constant_with_warmup`)."""
+    peak: float  # LR: transformers' learning_rate, the rate the multipliers scale
+    schedule: str  # LR_SCHEDULE
+    warmup: int  # WARMUP_STEPS
+    kwargs: dict  # LR_SCHEDULER_KWARGS
+    misfit: float  # the largest misfit over the steps, relative to each step's rate (or 1e-3 of the peak)
+
+    def settings(self) -> dict:
+        return {"LR": self.peak, "LR_SCHEDULE": self.schedule, "WARMUP_STEPS": self.warmup,
+                "LR_SCHEDULER_KWARGS": dict(self.kwargs)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """One schedule with the parameters a fit solves: `affine` (kwargs the multiplier is affine in, a floor or a
+    start: solved by least squares with the peak), `free` ((kwarg, lo, hi): searched, then narrowed), `variants`
+    (fixed kwargs tried in turn), `warm` (whether it has a warmup)."""
+    schedule: str
+    affine: tuple = ()
+    free: tuple | None = None
+    variants: tuple = ({},)
+    warm: bool = True
+
+
+_RATES = ("lr_end", "min_lr")  # kwargs that are rates, not fractions of the peak
+
+
+def families(steps: int) -> list[_Family]:
+    """The families in the order of their simplicity (fewest parameters first)."""
+    cycles = ("num_cycles", 0.01, 4.0)
+    wsd = tuple({"num_decay_steps": d, "decay_type": t} for d in range(1, steps + 1)
+                for t in ("linear", "cosine", "1-sqrt"))
+    return [
+        _Family("constant", warm=False), _Family("linear", warm=False), _Family("constant"), _Family("linear"),
+        _Family("cosine"), _Family("cosine", free=cycles),
+        _Family("polynomial", affine=("lr_end",), variants=({"power": 1.0},)),
+        _Family("cosine_with_min_lr", affine=("min_lr_rate",)),
+        _Family("cosine_with_min_lr", affine=("min_lr_rate",), free=cycles),
+        _Family("polynomial", affine=("lr_end",), free=("power", 0.05, 8.0)),
+        _Family("warmup_stable_decay", affine=("min_lr_ratio",), variants=({"num_decay_steps": 0},)),
+        _Family("inverse_sqrt"), _Family("inverse_sqrt", free=("timescale", 1.0, 1e6)),
+        _Family("cosine_with_restarts", variants=tuple({"num_cycles": k} for k in range(2, 9))),
+        _Family("warmup_stable_decay", affine=("min_lr_ratio",), variants=wsd),
+        _Family("cosine_warmup_with_min_lr", affine=("min_lr_rate",), free=cycles),
+        _Family("cosine_warmup_with_min_lr", affine=("min_lr_rate", "warmup_lr_rate"), free=cycles),
+    ]
+
+
+def fit_schedule(rates: dict, steps: int, tol, stated: dict | None = None) -> ScheduleFit | None:
+    """The simplest schedule whose rates are `rates` ({0-based optimizer step: rate}) over a run of `steps` steps,
+    each within `tol` (a relative tolerance, or {step: tolerance}); None where no TRL schedule does. `stated`: the
+    loop's own values (LR, LR_SCHEDULE, WARMUP_STEPS, LR_SCHEDULER_KWARGS), tried first and preferred where a
+    number is not told apart (a peak and a warmup that both scale a warmup through the whole run)."""
+    obs = sorted((int(s), float(r)) for s, r in rates.items() if r is not None and math.isfinite(r))
+    if not obs or max(r for _, r in obs) <= 0 or min(r for _, r in obs) < 0:
+        return None
+    tols = np.array([tol.get(s, 1e-5) if isinstance(tol, dict) else tol for s, _ in obs])
+    at, y = np.array([s for s, _ in obs]), np.array([r for _, r in obs])
+    stated = stated or {}
+    own = _own(stated, at, y, tols, steps)
+    if own is not None:
+        return own
+    from_zero = at[0] == 0 and y[0] > 0  # a rate at the first step: no warmup from 0 (transformers' own)
+    for fam in families(steps):
+        warm = fam.warm and not (from_zero and fam.schedule not in ("warmup_stable_decay", "cosine_warmup_with_min_lr"))
+        for warmup in (_warmups(at, y, steps, stated, _warmup_kind(fam)) if warm else [0]):
+            if warmup and not _warmup_fits(at, y, warmup, _warmup_kind(fam), tols):
+                continue
+            fit = _best(fam, warmup, at, y, tols, steps)
+            if fit is not None:
+                return _simplest(fit, fam, at, y, tols, steps, stated)
+    return None
+
+
+def _own(stated: dict, at, y, tols, steps: int) -> ScheduleFit | None:
+    """The loop's stated schedule, where it reproduces the rates (at its own peak, or a peak fitted to it)."""
+    if "LR_SCHEDULE" not in stated:
+        return None
+    kwargs = dict(stated.get("LR_SCHEDULER_KWARGS") or {})
+    fits = [_solve(stated["LR_SCHEDULE"], int(stated.get("WARMUP_STEPS", 0)), kwargs, (), at, y, steps, peak)
+            for peak in (stated.get("LR"), None)]  # (at the stated peak, else at a fitted one)
+    fit = next((f for f in fits if _within(f, at, y, tols, steps)), None)
+    if fit is None:
+        return None
+    peak = _simple_peak(fit, at, y, tols, steps, stated)
+    return dataclasses.replace(fit, peak=peak, misfit=_misfit(dataclasses.replace(fit, peak=peak), at, y, steps))
+
+
+def _warmups(at, y, steps: int, stated: dict, kind: str) -> list[int]:
+    """The warmups worth trying for a warmup of this kind (see _warmup_kind), the likeliest first: the stated one,
+    the one a peak of the stated LR gives, for a warmup through the run the shortest whose peak is a round number,
+    then each step of the run."""
+    out = [int(stated.get("WARMUP_STEPS", 0))]
+    rising = [(s, r) for s, r in zip(at, y) if s > 0 and r > 0]
+    lr, shift = stated.get("LR"), 1 if kind == "plus1" else 0
+    if kind == "line":  # from a fraction a of LR: a + (LR - a) s / w (warmup_stable_decay's; cosine_warmup_with_min_lr's
+        if lr and len(at) >= 2 and at[0] == 0 and at[1] == 1 and y[1] > y[0] > 0:  # over w - 1)
+            w = (lr - y[0]) / (y[1] - y[0])
+            out += [round(w), round(w) + 1] if w < 1e6 else []
+    elif rising:  # s / w x LR (transformers' own), (s + 1) / w x LR (cosine_warmup_with_min_lr's)
+        s, r = rising[0]
+        out += [round(lr * (s + shift) / r)] if lr else []
+        for digits in (1, 2):  # a warmup through the run: its rate s / w x peak tells the ratio only
+            out += [w for w in range(steps, 1000 * steps) if _digits(r * w / (s + shift), 1e-9) <= digits][:1]
+    out += list(range(1, steps + 1))
+    return [w for w in dict.fromkeys(out) if w >= 0][:steps + 8]
+
+
+def _warmup_kind(fam: _Family) -> str:
+    """How the family warms up: `zero` (transformers' own: s / w, the peak at w), `plus1` ((s + 1) / w), `line` (from
+    a fraction of the peak: min_lr_ratio, warmup_lr_rate)."""
+    if fam.schedule == "cosine_warmup_with_min_lr":
+        return "line" if "warmup_lr_rate" in fam.affine else "plus1"
+    return "line" if fam.schedule == "warmup_stable_decay" else "zero"
+
+
+def _warmup_fits(at, y, warmup: int, kind: str, tols) -> bool:
+    """Whether the rates up to the warmup's end lie as that warmup puts them (a cheap test before any fit): on a line
+    through 0 (`zero`, the peak at the warmup's end included), through -1 (`plus1`), or on any line (`line`)."""
+    top = float(np.max(y))
+    last = warmup if kind == "zero" else warmup - 1
+    idx = at <= last
+    x = at[idx].astype(float) + (1.0 if kind == "plus1" else 0.0)
+    cols = [x] if kind != "line" else [np.ones_like(x), x]
+    if idx.sum() <= len(cols):
+        return True
+    a = np.stack(cols, axis=1)
+    coef, *_ = np.linalg.lstsq(a, y[idx], rcond=None)
+    err = np.abs(a @ coef - y[idx]) / np.maximum(np.abs(y[idx]), 1e-3 * top)
+    return bool(np.all(err <= np.asarray(tols)[idx] if np.ndim(tols) else err <= tols))
+
+
+def _best(fam: _Family, warmup: int, at, y, tols, steps: int) -> ScheduleFit | None:
+    """The family's best fit with this warmup, where it is within the tolerance."""
+    best = None
+    for variant in fam.variants:
+        if fam.free is None:
+            fit = _solve(fam.schedule, warmup, dict(variant), fam.affine, at, y, steps)
+        else:
+            key, lo, hi = fam.free
+
+            def rms(x, key=key, variant=variant):
+                f = _solve(fam.schedule, warmup, {**variant, key: x}, fam.affine, at, y, steps)
+                return _rms(f, at, y, steps) if f is not None else math.inf
+            grid = np.geomspace(lo, hi, 60)
+            x0 = float(min(grid, key=rms))
+            x = _refine(rms, x0, lo, hi, iters=60)
+            fit = _solve(fam.schedule, warmup, {**variant, key: x}, fam.affine, at, y, steps)
+        if fit is not None and (best is None or fit.misfit < best.misfit):
+            best = fit
+    return best if best is not None and _within(best, at, y, tols, steps) else None
+
+
+def _solve(schedule: str, warmup: int, kwargs: dict, affine: tuple, at, y, steps: int,
+           peak: float | None = None) -> ScheduleFit | None:
+    """The peak (and the `affine` kwargs) by least squares, relative to each rate: y = peak (u + sum theta_i v_i),
+    u the multiplier with every affine kwarg 0, v_i its change with the i-th 1. `peak`: given, not fitted (and no
+    affine kwargs)."""
+    from scratch_grpo.core import lr_multiplier
+
+    def mult(kw):
+        try:
+            return np.array([lr_multiplier(int(s), schedule, steps, warmup, kw, lr=1.0) for s in at])
+        except (ValueError, ZeroDivisionError, OverflowError, KeyError, TypeError):
+            return None
+    u = mult({**kwargs, **{k: 0.0 for k in affine}})
+    if u is None:
+        return None
+    cols = [u] + [mult({**kwargs, **{k: float(k == j) for k in affine}}) - u for j in affine]
+    w = 1.0 / np.maximum(np.abs(y), 1e-3 * np.max(np.abs(y)))
+    if peak is None:
+        x = np.stack(cols, axis=1)
+        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        peak = float(coef[0])
+        if not peak > 0 or not math.isfinite(peak):
+            return None
+        thetas = [float(c) / peak for c in coef[1:]]
+    else:
+        thetas = [0.0] * len(affine)
+    # a floor or a start outside [0, 1], an end rate not below the peak, is no schedule TRL takes: held at the bound
+    # (the misfit then says how far off it is, and the search over a free parameter sees a continuous misfit)
+    thetas = [min(max(t, 0.0), 1.0 - 1e-9 if k in _RATES else 1.0) for k, t in zip(affine, thetas)]
+    kw = {**kwargs, **{k: (t * peak if k in _RATES else t) for k, t in zip(affine, thetas)}}
+    fit = ScheduleFit(peak, schedule, warmup, kw, 0.0)
+    return dataclasses.replace(fit, misfit=_misfit(fit, at, y, steps))
+
+
+def _predicted(fit: ScheduleFit, at, steps: int) -> np.ndarray | None:
+    from scratch_grpo.core import lr_multiplier
+
+    try:
+        return np.array([fit.peak * lr_multiplier(int(s), fit.schedule, steps, fit.warmup, fit.kwargs, lr=fit.peak)
+                         for s in at])
+    except (ValueError, ZeroDivisionError, OverflowError, KeyError, TypeError):
+        return None
+
+
+def _errors(fit: ScheduleFit | None, at, y, steps: int) -> np.ndarray:
+    pred = _predicted(fit, at, steps) if fit is not None else None
+    if pred is None:
+        return np.full(len(y), math.inf)
+    return np.abs(pred - y) / np.maximum(np.abs(y), 1e-3 * np.max(np.abs(y)))
+
+
+def _misfit(fit, at, y, steps: int) -> float:
+    return float(np.max(_errors(fit, at, y, steps)))
+
+
+def _rms(fit, at, y, steps: int) -> float:
+    """The misfit a search over a free parameter narrows: root mean square, relative to the largest rate (smooth
+    where each step's own relative misfit is not: near a rate of 0)."""
+    pred = _predicted(fit, at, steps)
+    return math.inf if pred is None else float(np.sqrt(np.mean(((pred - y) / np.max(np.abs(y))) ** 2)))
+
+
+def _within(fit: ScheduleFit | None, at, y, tols, steps: int) -> bool:
+    return fit is not None and bool(np.all(_errors(fit, at, y, steps) <= tols))
+
+
+def _digits(x: float, rel: float) -> int:
+    """The fewest significant digits that write `x` within `rel` of itself."""
+    for d in range(1, 16):
+        if abs(float(f"{x:.{d}g}") - x) <= rel * abs(x):
+            return d
+    return 16
+
+
+def _simplest(fit: ScheduleFit, fam: _Family, at, y, tols, steps: int, stated: dict) -> ScheduleFit:
+    """Each fitted kwarg, then the peak, as the simplest number that keeps the fit within the tolerance (an
+    integer where one does: a timescale, a cycle count)."""
+    for key in [k for k in fit.kwargs if isinstance(fit.kwargs[k], float) and (k in fam.affine or fam.free and
+                                                                               k == fam.free[0])]:
+        value = fit.kwargs[key]
+        for cand in _shorter(value):
+            kw = {**fit.kwargs, key: cand}
+            if key in fam.affine:  # the peak, fitted again with this kwarg fixed
+                trial = _refit_peak(fit, kw, at, y, steps)
+            else:
+                trial = _solve(fit.schedule, fit.warmup, kw, fam.affine, at, y, steps)
+            if trial is not None and _within(trial, at, y, tols, steps):
+                fit = trial
+                break
+    peak = _simple_peak(fit, at, y, tols, steps, stated)
+    out = dataclasses.replace(fit, peak=peak)
+    schedule = "constant" if out.schedule == "constant_with_warmup" else out.schedule
+    return dataclasses.replace(out, schedule=schedule, misfit=_misfit(out, at, y, steps))
+
+
+def _shorter(value: float) -> list[float]:
+    """`value` written with 0 (an integer), then 1, 2, ... significant digits."""
+    out = [float(round(value))] if round(value) else []
+    out += [float(f"{value:.{d}g}") for d in range(1, 10)]
+    return [v for v in dict.fromkeys(out)] + [value]
+
+
+def _refit_peak(fit: ScheduleFit, kwargs: dict, at, y, steps: int) -> ScheduleFit | None:
+    """The peak alone by least squares (relative), with these kwargs: each rate is affine in the peak (a + peak b,
+    rate kwargs such as lr_end kept as rates), so two evaluations give a and b."""
+    top = float(np.max(y))
+    p1, p2 = (_predicted(dataclasses.replace(fit, peak=p, kwargs=kwargs), at, steps) for p in (2 * top, 4 * top))
+    if p1 is None or p2 is None:
+        return None
+    b = (p2 - p1) / (2 * top)
+    a = p1 - 2 * top * b
+    w = 1.0 / np.maximum(np.abs(y), 1e-3 * top)
+    if not np.any(b * w):
+        return None
+    peak = float(np.sum(b * (y - a) * w * w) / np.sum(b * b * w * w))
+    if not peak > 0:
+        return None
+    out = dataclasses.replace(fit, peak=peak, kwargs=kwargs)
+    return dataclasses.replace(out, misfit=_misfit(out, at, y, steps))
+
+
+def _simple_peak(fit: ScheduleFit, at, y, tols, steps: int, stated: dict) -> float:
+    """The stated LR where it keeps the fit within the tolerance (the loop's own value, as written), else the peak
+    with the fewest digits that does."""
+    for cand in ([stated["LR"]] if stated.get("LR") else []) + _shorter(fit.peak)[1:]:
+        if cand > 0 and _within(dataclasses.replace(fit, peak=cand), at, y, tols, steps):
+            return float(cand)
+    return fit.peak
