@@ -171,7 +171,8 @@ def _start(spec, data, result: dict, log) -> Start:
     base = scratch_as_trl(spec)
     findings = tuple(_identify(data, base, log))
     opt = next((f for f in findings if f.stage == "optimizer" and f.readable), None)
-    read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None)
+    stated: dict = {}  # the schedule your log states, changed or not
+    read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None, stated)
     weights, weights_said = reward_weights_from_log(data.yours, base, list(data.scores))
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
@@ -192,12 +193,12 @@ def _start(spec, data, result: dict, log) -> Start:
         schedule = ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS")
         fixed = {k: v for k, v in fixed.items() if k not in schedule}
         unsure = {k: v for k, v in unsure.items() if k not in schedule}
-    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v  # (a rate read within
-                and not (isinstance(v, float) and math.isclose(read[k], v, rel_tol=2e-3))}  # its fit's noise: alike)
-    for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
-        notes.append(f"{k}: your log states {toml_value(logged)}, your tensors show {toml_value(measured)}; the "
+    logged = {**stated, **read}  # a value your log states stands as it states it (1e-6, not the tensors' 9.988e-07)
+    conflict = {k: (logged[k], v) for k, v in fixed.items() if k in logged and not _alike(logged[k], v)}
+    for k, (said_, measured) in conflict.items():  # what your log states and what your tensors show disagree
+        notes.append(f"{k}: your log states {toml_value(said_)}, your tensors show {toml_value(measured)}; the "
                      "search starts from the log's")
-    fixed = {k: v for k, v in fixed.items() if k not in conflict}
+    fixed = {k: v for k, v in fixed.items() if k not in logged}
     unsure = {k: v for k, v in unsure.items() if k not in read}  # (a value your log states beats a fit's look-alike)
     notes += identify.words(findings)
     start, refused = admissible(base, {**read, **fixed})  # (a fit the spec check refuses: not told, said so)
@@ -208,6 +209,16 @@ def _start(spec, data, result: dict, log) -> Start:
     return Start(base=base, read=start, unsure=unsure, identified={**fixed, **unsure}, settles=settles,
                  settled=frozenset(set(settles) - set(conflict)), findings=findings, lr_ahead=lr_ahead,
                  notes=tuple(notes))
+
+
+def _alike(a, b) -> bool:
+    """A value your log states and one your tensors show alike: a rate within its fit's noise (2e-3), a table
+    whose every value is."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return math.isclose(a, b, rel_tol=2e-3)
+    return a == b
 
 
 def _found(spec, search: Search, start: Start, data, log) -> Found:

@@ -296,7 +296,7 @@ def _refit_peak(fit: ScheduleFit, kwargs: dict, at, y, steps: int) -> ScheduleFi
 def _simple_peak(fit: ScheduleFit, at, y, tols, steps: int, stated: dict) -> float:
     """The stated LR where it keeps the fit within the tolerance (the loop's own value, as written), else the peak
     with the fewest digits that does."""
-    for cand in ([stated["LR"]] if stated.get("LR") else []) + _shorter(fit.peak)[1:]:
+    for cand in ([stated["LR"]] if stated.get("LR") else []) + [float(f"{fit.peak:.{d}g}") for d in range(1, 10)]:
         if cand > 0 and _within(dataclasses.replace(fit, peak=cand), at, y, tols, steps):
             return float(cand)
     return fit.peak
