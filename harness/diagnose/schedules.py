@@ -72,12 +72,18 @@ def fit_schedule(rates: dict, steps: int, tol, stated: dict | None = None) -> Sc
     each within `tol` (a relative tolerance, or {step: tolerance}); None where no TRL schedule does. `stated`: the
     loop's own values (LR, LR_SCHEDULE, WARMUP_STEPS, LR_SCHEDULER_KWARGS), tried first and preferred where a
     number is not told apart (a peak and a warmup that both scale a warmup through the whole run)."""
+    try:
+        return _fit(rates, steps, tol, stated or {})
+    except (np.linalg.LinAlgError, ArithmeticError, ValueError):  # numbers no schedule fits (a fit never crashes)
+        return None
+
+
+def _fit(rates: dict, steps: int, tol, stated: dict) -> ScheduleFit | None:
     obs = sorted((int(s), float(r)) for s, r in rates.items() if r is not None and math.isfinite(r))
     if not obs or max(r for _, r in obs) <= 0 or min(r for _, r in obs) < 0:
         return None
     tols = np.array([tol.get(s, 1e-5) if isinstance(tol, dict) else tol for s, _ in obs])
     at, y = np.array([s for s, _ in obs]), np.array([r for _, r in obs])
-    stated = stated or {}
     own = _own(stated, at, y, tols, steps)
     if own is not None:
         return own
@@ -146,7 +152,10 @@ def _warmup_fits(at, y, warmup: int, kind: str, tols) -> bool:
     if idx.sum() <= len(cols):
         return True
     a = np.stack(cols, axis=1)
-    coef, *_ = np.linalg.lstsq(a, y[idx], rcond=None)
+    try:
+        coef, *_ = np.linalg.lstsq(a, y[idx], rcond=None)
+    except np.linalg.LinAlgError:
+        return False
     err = np.abs(a @ coef - y[idx]) / np.maximum(np.abs(y[idx]), 1e-3 * top)
     return bool(np.all(err <= np.asarray(tols)[idx] if np.ndim(tols) else err <= tols))
 
@@ -187,11 +196,19 @@ def _solve(schedule: str, warmup: int, kwargs: dict, affine: tuple, at, y, steps
     u = mult({**kwargs, **{k: 0.0 for k in affine}})
     if u is None:
         return None
-    cols = [u] + [mult({**kwargs, **{k: float(k == j) for k in affine}}) - u for j in affine]
+    others = [mult({**kwargs, **{k: float(k == j) for k in affine}}) for j in affine]
+    if any(c is None for c in others):
+        return None
+    cols = [u] + [c - u for c in others]
+    if not all(np.all(np.isfinite(c)) for c in cols):
+        return None  # (a multiplier past its range: an inverse square root of a negative count, say)
     w = 1.0 / np.maximum(np.abs(y), 1e-3 * np.max(np.abs(y)))
     if peak is None:
         x = np.stack(cols, axis=1)
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        try:
+            coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        except np.linalg.LinAlgError:
+            return None
         peak = float(coef[0])
         if not peak > 0 or not math.isfinite(peak):
             return None
@@ -218,7 +235,7 @@ def _predicted(fit: ScheduleFit, at, steps: int) -> np.ndarray | None:
 
 def _errors(fit: ScheduleFit | None, at, y, steps: int) -> np.ndarray:
     pred = _predicted(fit, at, steps) if fit is not None else None
-    if pred is None:
+    if pred is None or not np.all(np.isfinite(pred)):
         return np.full(len(y), math.inf)
     return np.abs(pred - y) / np.maximum(np.abs(y), 1e-3 * np.max(np.abs(y)))
 
