@@ -381,6 +381,10 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> Any:
     if tp is float and not math.isfinite(value):
         raise SpecError(key, f"must be a finite number, got {value!r}")
     choices = meta.get("choices")
+    if key == "LR_SCHEDULE" and value in ("reduce_lr_on_plateau", "greedy"):
+        raise SpecError(key, f"{value!r} steps the rate on a metric (an eval loss, the training loss), not on the step "
+                        "count: neither loop can replay it in lockstep; name the schedule the rates follow (one of "
+                        f"{', '.join(choices)})")
     if choices and value not in choices:
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         raise SpecError(key, f"must be one of {', '.join(map(repr, choices))}; got {value!r}"
@@ -489,26 +493,52 @@ def _cross_checks(spec: Spec) -> None:
                             "per optimizer step, e.g. LR_STEPS = [0.0, 1e-6, 9.1e-7])")
 
 
-def _check_schedule(spec: Spec) -> None:
-    """LR_SCHEDULE with LR_SCHEDULER_KWARGS gives a rate at every step (transformers' own checks, said by field)."""
-    from scratch_grpo.core import lr_multiplier
+# transformers 5.25's lr_scheduler_kwargs per lr_scheduler_type (its get_* functions' parameters), and those it needs
+_SCHEDULE_KWARGS = {
+    "constant": ((), ()), "constant_with_warmup": ((), ()), "linear": ((), ()),
+    "cosine": (("num_cycles",), ()), "cosine_with_restarts": (("num_cycles",), ()),
+    "polynomial": (("lr_end", "power"), ()), "inverse_sqrt": (("timescale",), ()),
+    "cosine_with_min_lr": (("num_cycles", "min_lr", "min_lr_rate"), ()),
+    "cosine_warmup_with_min_lr": (("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"), ()),
+    "warmup_stable_decay": (("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+                             "num_cycles"), ("num_decay_steps",)),
+}
 
-    for key, value in spec.LR_SCHEDULER_KWARGS.items():
-        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"must be a number or a word, got {value!r}")
-    if spec.LR_SCHEDULE == "polynomial" and not spec.LR_SCHEDULER_KWARGS.get("lr_end", 1e-7) < spec.LR:
-        raise SpecError("LR_SCHEDULER_KWARGS.lr_end", f"{spec.LR_SCHEDULER_KWARGS.get('lr_end', 1e-7)!r} must be "
-                        f"below LR = {spec.LR} (polynomial decays from LR to lr_end; transformers refuses otherwise)")
-    if spec.LR_SCHEDULE in ("constant", "linear", "constant_with_warmup") and not spec.LR_SCHEDULER_KWARGS:
-        return  # (no parameters to check: scratch_grpo.core, and torch, need not load)
-    try:
-        rates = [lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS, spec.LR_SCHEDULER_KWARGS, spec.LR)
-                 for s in range(spec.STEPS)]
-    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
-        raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE}: {e}") from None
-    if not all(math.isfinite(r) for r in rates):
-        raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE} with {spec.LR_SCHEDULER_KWARGS} gives a rate that "
-                        "is not finite")
+
+def _check_schedule(spec: Spec) -> None:
+    """LR_SCHEDULER_KWARGS are parameters LR_SCHEDULE takes (transformers' own checks, said by field)."""
+    accepted, needed = _SCHEDULE_KWARGS[spec.LR_SCHEDULE]
+    kw = spec.LR_SCHEDULER_KWARGS
+    for key, value in kw.items():
+        if key not in accepted:
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"{spec.LR_SCHEDULE} takes no {key!r}; it takes "
+                            + (", ".join(accepted) if accepted else "no parameters") + " (transformers' "
+                            "lr_scheduler_kwargs)")
+        words = key in ("warmup_type", "decay_type")
+        if words and value not in ("linear", "cosine", "1-sqrt"):
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"must be \"linear\", \"cosine\" or \"1-sqrt\", got {value!r}")
+        if not words and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                          or value < 0):
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"must be a number >= 0, got {value!r}")
+    for key in needed:
+        if key not in kw:
+            raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE} needs {key} (e.g. {{{key} = 2}})")
+    if spec.LR_SCHEDULE in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and ("min_lr" in kw) == ("min_lr_rate"
+                                                                                                       in kw):
+        raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE} needs one of min_lr_rate or min_lr (e.g. "
+                        "{min_lr_rate = 0.1})")
+    for key in ("min_lr_rate", "min_lr_ratio", "warmup_lr_rate"):
+        if kw.get(key, 0) > 1:
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"is a fraction of LR: at most 1, got {kw[key]!r}")
+    for key in ("lr_end", "min_lr"):
+        if key in kw and not kw[key] < spec.LR:
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"{kw[key]!r} must be below LR = {spec.LR} (a rate the "
+                            "schedule decays to)")
+    if spec.LR_SCHEDULE == "polynomial" and "lr_end" not in kw and not 1e-7 < spec.LR:
+        raise SpecError("LR_SCHEDULER_KWARGS.lr_end", f"polynomial decays to lr_end (1e-7 unless set), which must "
+                        f"be below LR = {spec.LR}; set a smaller lr_end")
+    if kw.get("timescale", 1) == 0:
+        raise SpecError("LR_SCHEDULER_KWARGS.timescale", "must be above 0")
 
 
 def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
