@@ -38,7 +38,7 @@ from harness.diagnose.fitted import admissible, refused_words
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.search import Search, Trial, _same, trl_moves
+from harness.diagnose.search import Search, Trial, _same, one_change, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words
 from trl_runner.translate import NORM_OF_LOSS_TYPE
 
@@ -267,8 +267,8 @@ def _answer(base, changes: dict, start: Start, trace: list[dict]) -> Answer:
     what your loop saved, guessed from the tensor diff, or searched."""
     from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
     trl = trl_fields(base, changes) if changes else {}
-    quirks = {k: v for k, v in changes.items() if not trl_moves(base, {k: v})}
-    differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
+    quirks = {k: v for k, v in changes.items() if not trl_moves(base, one_change(changes, k))}
+    differences = [{"field": k, "value": v, "trl": trl_fields(base, one_change(changes, k)), "words": words(k, v),
                     "read_from_log": k in start.read and k not in start.identified, "identified": k in start.identified,
                     "from_tensors": k in from_tensors} for k, v in changes.items()]
     return Answer(trl, quirks, differences)

@@ -93,6 +93,8 @@ def _fit(rates: dict, steps: int, tol, stated: dict) -> ScheduleFit | None:
         for warmup in (_warmups(at, y, steps, stated, _warmup_kind(fam)) if warm else [0]):
             if warmup and not _warmup_fits(at, y, warmup, _warmup_kind(fam), tols):
                 continue
+            if len(at) <= 1 + len(fam.affine) + (fam.free is not None) + (warmup > 0):
+                continue  # (as many numbers fitted as rates read: any rates fit, none is told)
             fit = _best(fam, warmup, at, y, tols, steps)
             if fit is not None:
                 return _simplest(fit, fam, at, y, tols, steps, stated)
