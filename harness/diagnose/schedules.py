@@ -97,8 +97,31 @@ def _fit(rates: dict, steps: int, tol, stated: dict) -> ScheduleFit | None:
                 continue  # (as many numbers fitted as rates read: any rates fit, none is told)
             fit = _best(fam, warmup, at, y, tols, steps)
             if fit is not None:
-                return _simplest(fit, fam, at, y, tols, steps, stated)
+                fit = _simplest(fit, fam, at, y, tols, steps, stated)
+                return fit if fit.warmup <= at[-1] else _simplest_span(fit, fam, at, y, tols, steps, stated)
     return None
+
+
+def _simplest_span(fit: ScheduleFit, fam: _Family, at, y, tols, steps: int, stated: dict) -> ScheduleFit:
+    """A warmup through the whole run tells the rates' line, not the peak and the warmup apart: of the warmups that
+    fit, the one whose numbers (peak, warmup, kwargs) are written with the fewest digits (the first at a tie: the
+    stated LR's)."""
+    best, score = fit, _score(fit)
+    for warmup in _warmups(at, y, steps, stated, _warmup_kind(fam)):
+        if warmup <= at[-1] or warmup == fit.warmup or not _warmup_fits(at, y, warmup, _warmup_kind(fam), tols):
+            continue
+        other = _best(fam, warmup, at, y, tols, steps)
+        if other is not None:
+            other = _simplest(other, fam, at, y, tols, steps, stated)
+            if _score(other) < score:
+                best, score = other, _score(other)
+    return best
+
+
+def _score(fit: ScheduleFit) -> int:
+    """How many digits the fit's numbers take to write."""
+    return _digits(fit.peak, 1e-12) + len(str(fit.warmup)) + sum(_digits(v, 1e-12) for v in fit.kwargs.values()
+                                                                 if isinstance(v, float) and v)
 
 
 def _own(stated: dict, at, y, tols, steps: int) -> ScheduleFit | None:
@@ -111,8 +134,8 @@ def _own(stated: dict, at, y, tols, steps: int) -> ScheduleFit | None:
     fit = next((f for f in fits if _within(f, at, y, tols, steps)), None)
     if fit is None:
         return None
-    peak = _simple_peak(fit, at, y, tols, steps, stated)
-    return dataclasses.replace(fit, peak=peak, misfit=_misfit(dataclasses.replace(fit, peak=peak), at, y, steps))
+    return dataclasses.replace(_simplest(fit, _Family(fit.schedule), at, y, tols, steps, stated),
+                               schedule=fit.schedule)
 
 
 def _warmups(at, y, steps: int, stated: dict, kind: str) -> list[int]:
@@ -123,9 +146,12 @@ def _warmups(at, y, steps: int, stated: dict, kind: str) -> list[int]:
     rising = [(s, r) for s, r in zip(at, y) if s > 0 and r > 0]
     lr, shift = stated.get("LR"), 1 if kind == "plus1" else 0
     if kind == "line":  # from a fraction a of LR: a + (LR - a) s / w (warmup_stable_decay's; cosine_warmup_with_min_lr's
-        if lr and len(at) >= 2 and at[0] == 0 and at[1] == 1 and y[1] > y[0] > 0:  # over w - 1)
-            w = (lr - y[0]) / (y[1] - y[0])
-            out += [round(w), round(w) + 1] if w < 1e6 else []
+        if len(at) >= 2 and at[0] == 0 and at[1] == 1 and y[1] > y[0] > 0:  # over w - 1)
+            a, b = y[0], y[1] - y[0]
+            out += [round((lr - a) / b), round((lr - a) / b) + 1] if lr and (lr - a) / b < 1e6 else []
+            for digits in (2, 3):  # a warmup through the run: the shortest whose peak and start are round numbers
+                out += [w for w in range(steps, 1000 * steps)
+                        if _digits(a + b * w, 1e-9) + _digits(a / (a + b * w), 1e-9) <= digits][:1]
     elif rising:  # s / w x LR (transformers' own), (s + 1) / w x LR (cosine_warmup_with_min_lr's)
         s, r = rising[0]
         out += [round(lr * (s + shift) / r)] if lr else []
@@ -215,8 +241,15 @@ def _solve(schedule: str, warmup: int, kwargs: dict, affine: tuple, at, y, steps
         if not peak > 0 or not math.isfinite(peak):
             return None
         thetas = [float(c) / peak for c in coef[1:]]
+    elif affine:  # the peak given: the affine kwargs alone, y - peak u = sum (peak theta_i) v_i
+        x = np.stack(cols[1:], axis=1)
+        try:
+            coef, *_ = np.linalg.lstsq(x * w[:, None], (y - peak * u) * w, rcond=None)
+        except np.linalg.LinAlgError:
+            return None
+        thetas = [float(c) / peak for c in coef]
     else:
-        thetas = [0.0] * len(affine)
+        thetas = []
     # a floor or a start outside [0, 1], an end rate not below the peak, is no schedule TRL takes: held at the bound
     # (the misfit then says how far off it is, and the search over a free parameter sees a continuous misfit)
     thetas = [min(max(t, 0.0), 1.0 - 1e-9 if k in _RATES else 1.0) for k, t in zip(affine, thetas)]
@@ -266,56 +299,44 @@ def _digits(x: float, rel: float) -> int:
 
 
 def _simplest(fit: ScheduleFit, fam: _Family, at, y, tols, steps: int, stated: dict) -> ScheduleFit:
-    """Each fitted kwarg, then the peak, as the simplest number that keeps the fit within the tolerance (an
-    integer where one does: a timescale, a cycle count)."""
-    for key in [k for k in fit.kwargs if isinstance(fit.kwargs[k], float) and (k in fam.affine or fam.free and
-                                                                               k == fam.free[0])]:
-        value = fit.kwargs[key]
-        for cand in _shorter(value):
-            kw = {**fit.kwargs, key: cand}
-            if key in fam.affine:  # the peak, fitted again with this kwarg fixed
-                trial = _refit_peak(fit, kw, at, y, steps)
-            else:
-                trial = _solve(fit.schedule, fit.warmup, kw, fam.affine, at, y, steps)
+    """The peak, then each fitted kwarg, as the simplest number that keeps the fit within the tolerance (the stated
+    LR first: a value as your loop states it; an integer where one does: a timescale, a cycle count); the numbers
+    not yet fixed are fitted again each time."""
+    free = fam.free[0] if fam.free else None
+    for cand in ([stated["LR"]] if stated.get("LR") else []) + [float(f"{fit.peak:.{d}g}") for d in range(1, 10)]:
+        trial = _refit(fit, fam, {}, at, y, steps, cand)
+        if trial is not None and _within(trial, at, y, tols, steps):
+            fit = trial
+            break
+    fixed: dict = {}
+    for key in [k for k in (*fam.affine, free) if k is not None and isinstance(fit.kwargs.get(k), float)]:
+        for cand in _shorter(fit.kwargs[key]):
+            trial = _refit(fit, fam, {**fixed, key: cand}, at, y, steps, fit.peak)
             if trial is not None and _within(trial, at, y, tols, steps):
-                fit = trial
+                fit, fixed = trial, {**fixed, key: cand}
                 break
-    peak = _simple_peak(fit, at, y, tols, steps, stated)
-    out = dataclasses.replace(fit, peak=peak)
-    schedule = "constant" if out.schedule == "constant_with_warmup" else out.schedule
-    return dataclasses.replace(out, schedule=schedule, misfit=_misfit(out, at, y, steps))
+    schedule = "constant" if fit.schedule == "constant_with_warmup" else fit.schedule
+    return dataclasses.replace(fit, schedule=schedule, misfit=_misfit(fit, at, y, steps))
+
+
+def _refit(fit: ScheduleFit, fam: _Family, fixed: dict, at, y, steps: int, peak: float) -> ScheduleFit | None:
+    """The fit again at this peak with the `fixed` kwargs: the affine kwargs not fixed by least squares, the free
+    one (not fixed) narrowed again around its value."""
+    affine = tuple(k for k in fam.affine if k not in fixed)
+    kwargs = {**{k: v for k, v in fit.kwargs.items() if k not in fam.affine}, **fixed}
+    free = fam.free[0] if fam.free and fam.free[0] not in fixed else None
+    if free is None:
+        return _solve(fit.schedule, fit.warmup, kwargs, affine, at, y, steps, peak)
+
+    def rms(x):
+        f = _solve(fit.schedule, fit.warmup, {**kwargs, free: x}, affine, at, y, steps, peak)
+        return _rms(f, at, y, steps) if f is not None else math.inf
+    x = _refine(rms, fit.kwargs[free], fam.free[1], fam.free[2], iters=50)
+    return _solve(fit.schedule, fit.warmup, {**kwargs, free: x}, affine, at, y, steps, peak)
 
 
 def _shorter(value: float) -> list[float]:
-    """`value` written with 0 (an integer), then 1, 2, ... significant digits."""
-    out = [float(round(value))] if round(value) else []
+    """`value` as 0, as an integer, then with 1, 2, ... significant digits."""
+    out = [0.0, float(round(value))]
     out += [float(f"{value:.{d}g}") for d in range(1, 10)]
     return [v for v in dict.fromkeys(out)] + [value]
-
-
-def _refit_peak(fit: ScheduleFit, kwargs: dict, at, y, steps: int) -> ScheduleFit | None:
-    """The peak alone by least squares (relative), with these kwargs: each rate is affine in the peak (a + peak b,
-    rate kwargs such as lr_end kept as rates), so two evaluations give a and b."""
-    top = float(np.max(y))
-    p1, p2 = (_predicted(dataclasses.replace(fit, peak=p, kwargs=kwargs), at, steps) for p in (2 * top, 4 * top))
-    if p1 is None or p2 is None:
-        return None
-    b = (p2 - p1) / (2 * top)
-    a = p1 - 2 * top * b
-    w = 1.0 / np.maximum(np.abs(y), 1e-3 * top)
-    if not np.any(b * w):
-        return None
-    peak = float(np.sum(b * (y - a) * w * w) / np.sum(b * b * w * w))
-    if not peak > 0:
-        return None
-    out = dataclasses.replace(fit, peak=peak, kwargs=kwargs)
-    return dataclasses.replace(out, misfit=_misfit(out, at, y, steps))
-
-
-def _simple_peak(fit: ScheduleFit, at, y, tols, steps: int, stated: dict) -> float:
-    """The stated LR where it keeps the fit within the tolerance (the loop's own value, as written), else the peak
-    with the fewest digits that does."""
-    for cand in ([stated["LR"]] if stated.get("LR") else []) + [float(f"{fit.peak:.{d}g}") for d in range(1, 10)]:
-        if cand > 0 and _within(dataclasses.replace(fit, peak=cand), at, y, tols, steps):
-            return float(cand)
-    return fit.peak
