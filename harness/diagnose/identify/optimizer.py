@@ -237,6 +237,11 @@ def _learning_rate(known: list, res: float, steps_total: int | None, spec=None) 
               if hasattr(spec, k)}
     fit = fit_schedule(dict(known), steps_total, lr_tol, stated) if steps_total and len(known) >= 2 and not flat \
         else None
+    if fit is not None and fit.warmup > known[-1][0]:  # a rise through every probed step: only its slope is read
+        unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") rises through "
+                         "every probed step: its peak and its warmup are not told apart (" + _schedule_words(fit)
+                         + f" at {fit.peak:g} fits, as do others)")
+        return {}, ["steps Adam at a learning rate rising through every probed step"], unsettled
     if fit is not None:
         settings.update(fit.settings())
         said = [f"steps Adam at a learning rate of {fit.peak:g} ({_schedule_words(fit)})"]
