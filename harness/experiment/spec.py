@@ -278,7 +278,8 @@ class Spec:
                                    "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr",
                                    "cosine_warmup_with_min_lr", "warmup_stable_decay"))
     WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR (TRL's warmup_steps; may exceed STEPS: the rate then "
-                           "climbs through the whole run).", min=0)
+                           "climbs through the whole run). transformers 5.25 has no warmup_ratio: its warmup_steps "
+                           "below 1 is a fraction of the run, ceil(STEPS x fraction) steps; give that count here.", min=0)
     LR_SCHEDULER_KWARGS: dict = _f({}, "transformers' `lr_scheduler_kwargs` (TRL's), e.g. {min_lr_rate = 0.1} for "
                                    "cosine_with_min_lr, {power = 1.0, lr_end = 1e-7} for polynomial, {num_cycles = 0.5}, "
                                    "{num_decay_steps = 4, min_lr_ratio = 0.1} for warmup_stable_decay.")
