@@ -88,9 +88,13 @@ def _fit(rates: dict, steps: int, tol, stated: dict) -> ScheduleFit | None:
     if own is not None:
         return own
     from_zero = at[0] == 0 and y[0] > 0  # a rate at the first step: no warmup from 0 (transformers' own)
+    candidates: dict = {}  # the warmups worth trying, per kind of warmup
     for fam in families(steps):
         warm = fam.warm and not (from_zero and fam.schedule not in ("warmup_stable_decay", "cosine_warmup_with_min_lr"))
-        for warmup in (_warmups(at, y, steps, stated, _warmup_kind(fam)) if warm else [0]):
+        kind = _warmup_kind(fam)
+        if warm and kind not in candidates:
+            candidates[kind] = _warmups(at, y, steps, stated, kind)
+        for warmup in (candidates[kind] if warm else [0]):
             if warmup and not _warmup_fits(at, y, warmup, _warmup_kind(fam), tols):
                 continue
             if len(at) <= 1 + len(fam.affine) + (fam.free is not None) + (warmup > 0):
@@ -150,13 +154,13 @@ def _warmups(at, y, steps: int, stated: dict, kind: str) -> list[int]:
             a, b = y[0], y[1] - y[0]
             out += [round((lr - a) / b), round((lr - a) / b) + 1] if lr and (lr - a) / b < 1e6 else []
             for digits in (2, 3):  # a warmup through the run: the shortest whose peak and start are round numbers
-                out += [w for w in range(steps, 1000 * steps)
-                        if _digits(a + b * w, 1e-9) + _digits(a / (a + b * w), 1e-9) <= digits][:1]
+                out += [next((w for w in range(steps, 1000 * steps)
+                              if _digits(a + b * w, 1e-9) + _digits(a / (a + b * w), 1e-9) <= digits), 0)]
     elif rising:  # s / w x LR (transformers' own), (s + 1) / w x LR (cosine_warmup_with_min_lr's)
         s, r = rising[0]
         out += [round(lr * (s + shift) / r)] if lr else []
         for digits in (1, 2):  # a warmup through the run: its rate s / w x peak tells the ratio only
-            out += [w for w in range(steps, 1000 * steps) if _digits(r * w / (s + shift), 1e-9) <= digits][:1]
+            out += [next((w for w in range(steps, 1000 * steps) if _digits(r * w / (s + shift), 1e-9) <= digits), 0)]
     out += list(range(1, steps + 1))
     return [w for w in dict.fromkeys(out) if w >= 0][:steps + 8]
 
@@ -200,9 +204,9 @@ def _best(fam: _Family, warmup: int, at, y, tols, steps: int) -> ScheduleFit | N
             def rms(x, key=key, variant=variant):
                 f = _solve(fam.schedule, warmup, {**variant, key: x}, fam.affine, at, y, steps)
                 return _rms(f, at, y, steps) if f is not None else math.inf
-            grid = np.geomspace(lo, hi, 60)
+            grid = np.geomspace(lo, hi, 30)
             x0 = float(min(grid, key=rms))
-            x = _refine(rms, x0, lo, hi, iters=60)
+            x = _refine(rms, x0, lo, hi, iters=40)
             fit = _solve(fam.schedule, warmup, {**variant, key: x}, fam.affine, at, y, steps)
         if fit is not None and (best is None or fit.misfit < best.misfit):
             best = fit
