@@ -392,16 +392,108 @@ def mismatch_spread(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask
 
 
 # ---------------------------------------------------------------------------------------------
-# learning-rate schedule (the multiplier for optimizer step `step`, 0-based, as HF's LambdaLR)
+# learning-rate schedule (the multiplier for optimizer step `step`, 0-based, as HF's LambdaLR): every
+# `lr_scheduler_type` of transformers 5.25 that needs no metric, with its `lr_scheduler_kwargs`, as
+# transformers.optimization writes them (its first optimizer step uses the multiplier of step 0)
 # ---------------------------------------------------------------------------------------------
-def lr_multiplier(step: int, schedule: str, total_steps: int, warmup_steps: int = 0) -> float:
-    if step < warmup_steps:
-        return step / max(1, warmup_steps)
-    if schedule == "constant":
+LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup",
+                "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+LR_SCHEDULES_WITH_METRIC = ("reduce_lr_on_plateau", "greedy")  # they step on an eval or training metric: not replayed
+
+
+def _warmup(step: int, warmup_steps: int) -> float:
+    """transformers' linear warmup from 0: step / warmup (step 0 trains at rate 0)."""
+    return step / max(1, warmup_steps)
+
+
+def _cosine(progress: float, cycles: float) -> float:
+    """Half a cosine wave per 0.5 cycle: 1 at progress 0, 0 at progress 1 with cycles 0.5."""
+    return 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress))
+
+
+def lr_multiplier(step: int, schedule: str, total_steps: int, warmup_steps: int = 0, kwargs: dict | None = None,
+                  lr: float | None = None) -> float:
+    """The rate of optimizer step `step` (0-based) as a fraction of the peak `lr`. `kwargs`: transformers'
+    `lr_scheduler_kwargs` (num_cycles, min_lr_rate or min_lr, lr_end and power, timescale, warmup_lr_rate,
+    num_decay_steps, ...); `lr`: the peak rate, for the kwargs given as rates (min_lr, lr_end). The spec's `constant`
+    with a warmup is transformers' `constant_with_warmup` (TRL's `constant` has none)."""
+    kw = dict(kwargs or {})
+    n, w, s = total_steps, warmup_steps, step
+    if schedule == "warmup_stable_decay":
+        return _wsd(s, n, w, kw)
+    if schedule == "cosine_warmup_with_min_lr":  # a warmup of its own: the step's end, or from warmup_lr_rate
+        r = kw.get("warmup_lr_rate")
+        if s < w:
+            return (s + 1.0) / max(1.0, w) if r is None else r + (1.0 - r) * s / max(1, w - 1)
+        return max(0.0, _with_floor(_cosine((s - w + 1.0) / max(1.0, n - w), kw.get("num_cycles", 0.5)), kw, lr))
+    if s < w:
+        return _warmup(s, w)
+    progress = (s - w) / max(1, n - w)
+    if schedule in ("constant", "constant_with_warmup"):
         return 1.0
     if schedule == "linear":
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-    raise ValueError(f"unknown lr schedule {schedule!r}; 'constant' or 'linear'")
+        return max(0.0, (n - s) / max(1, n - w))
+    if schedule == "cosine":
+        return max(0.0, _cosine(progress, kw.get("num_cycles", 0.5)))
+    if schedule == "cosine_with_min_lr":
+        return max(0.0, _with_floor(_cosine(progress, kw.get("num_cycles", 0.5)), kw, lr))
+    if schedule == "cosine_with_restarts":  # num_cycles hard restarts, 0 from the end of the run on
+        return 0.0 if progress >= 1.0 else max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((kw.get("num_cycles", 1)
+                                                                                        * progress) % 1.0))))
+    if schedule == "polynomial":  # (lr - lr_end) x remaining^power + lr_end, lr_end after the run's end
+        lr_end, power = kw.get("lr_end", 1e-7), kw.get("power", 1.0)
+        peak = _peak(lr, "polynomial's lr_end")
+        if s > n:
+            return lr_end / peak
+        remaining = 1.0 - (s - w) / (n - w) if n > w else 0.0
+        return ((peak - lr_end) * remaining ** power + lr_end) / peak
+    if schedule == "inverse_sqrt":  # 1 / sqrt((step + timescale - warmup) / timescale), timescale = warmup or 10000
+        timescale = kw.get("timescale") or w or 10_000
+        return 1.0 / math.sqrt((s + timescale - w) / timescale)
+    if schedule in LR_SCHEDULES_WITH_METRIC:
+        raise ValueError(f"lr schedule {schedule!r} steps on a metric (an eval loss, a training loss), not on the "
+                         "step count: the built-in loop cannot replay it; name the schedule your loop follows")
+    raise ValueError(f"unknown lr schedule {schedule!r}; one of {', '.join(LR_SCHEDULES)}")
+
+
+def _peak(lr: float | None, what: str) -> float:
+    if not lr:
+        raise ValueError(f"{what} is a rate: the peak learning rate is needed to make it a multiplier")
+    return lr
+
+
+def _with_floor(factor: float, kw: dict, lr: float | None) -> float:
+    """A cosine factor lifted to a floor: min_lr_rate (a fraction of the peak) or min_lr (a rate)."""
+    if kw.get("min_lr") is not None and kw.get("min_lr_rate") is not None:
+        raise ValueError("lr_scheduler_kwargs: only one of min_lr or min_lr_rate")
+    floor = kw["min_lr"] / _peak(lr, "min_lr") if kw.get("min_lr") is not None else kw.get("min_lr_rate")
+    if floor is None:
+        raise ValueError("lr_scheduler_kwargs: cosine_with_min_lr needs min_lr_rate or min_lr (e.g. min_lr_rate = 0.1)")
+    return factor * (1.0 - floor) + floor
+
+
+def _wsd(s: int, n: int, w: int, kw: dict) -> float:
+    """transformers' warmup-stable-decay: a warmup from min_lr_ratio (linear, cosine or 1-sqrt), the peak for
+    num_stable_steps (by default the run's steps left after warmup and decay), a decay of num_decay_steps to
+    min_lr_ratio, then min_lr_ratio."""
+    if "num_decay_steps" not in kw:
+        raise ValueError("lr_scheduler_kwargs: warmup_stable_decay needs num_decay_steps (e.g. num_decay_steps = 4)")
+    floor, d = kw.get("min_lr_ratio", 0.0), kw["num_decay_steps"]
+    stable = kw.get("num_stable_steps")
+    stable = n - w - d if stable is None else stable
+    shapes = {"linear": lambda x: x, "cosine": lambda x: 0.5 * (1.0 - math.cos(math.pi * x)),
+              "1-sqrt": lambda x: 1.0 - math.sqrt(1.0 - x)}
+    if s < w:
+        return max(0.0, shapes[kw.get("warmup_type", "linear")](s / max(1, w)) * (1.0 - floor) + floor)
+    if s < w + stable:
+        return 1.0
+    if s < w + stable + d:
+        x = (s - w - stable) / max(1, d)
+        shape = kw.get("decay_type", "cosine")
+        f = 1.0 - x if shape == "linear" else _cosine(x, kw.get("num_cycles", 0.5)) if shape == "cosine" else \
+            1.0 - math.sqrt(x)
+        return max(0.0, f * (1.0 - floor) + floor)
+    return floor
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,8 +167,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         rates = [float(r) for r in spec.LR_STEPS]
         scheduler = LambdaLR(optimizer, lambda s: rates[min(s, len(rates) - 1)] / spec.LR)
     else:
-        scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS,
-                                                                     spec.WARMUP_STEPS))
+        scheduler = LambdaLR(optimizer, lambda s: core.lr_multiplier(s, spec.LR_SCHEDULE, spec.STEPS, spec.WARMUP_STEPS,
+                                                                     spec.LR_SCHEDULER_KWARGS, spec.LR))
 
     extra = {"checkpoint": str(ckpt), "sampler": describe_sampler(spec),
              "generation": (decoder.describe() if decoder else sampler.describe() if sampler

@@ -234,8 +234,77 @@ def test_lr_schedules_by_hand():
     # linear with 2 warmup steps over 10: 0, 0.5, then (10 - k)/8: k=2 -> 1.0, k=6 -> 0.5
     assert [core.lr_multiplier(k, "linear", 10, 2) for k in (0, 1, 2, 6)] == pytest.approx([0.0, 0.5, 1.0, 0.5])
     assert [core.lr_multiplier(k, "constant", 10, 2) for k in (0, 1, 2, 9)] == pytest.approx([0.0, 0.5, 1.0, 1.0])
-    with pytest.raises(ValueError):
-        core.lr_multiplier(0, "cosine", 10)
+    with pytest.raises(ValueError, match="metric"):
+        core.lr_multiplier(0, "reduce_lr_on_plateau", 10)
+    with pytest.raises(ValueError, match="unknown"):
+        core.lr_multiplier(0, "cosine_wave", 10)
+
+
+def test_every_trl_schedule_by_hand():
+    m = core.lr_multiplier
+    # cosine over 10 steps, warmup 2: step 2 starts the half wave (1.0), step 6 is half way: 0.5 (1 + cos(pi/2)) = 0.5
+    assert [m(k, "cosine", 10, 2) for k in (1, 2, 6)] == pytest.approx([0.5, 1.0, 0.5])
+    # cosine to a floor of 0.1: half way 0.5 x 0.9 + 0.1 = 0.55; min_lr = 1e-7 at lr 1e-6 is the same floor
+    assert m(5, "cosine_with_min_lr", 10, 0, {"min_lr_rate": 0.1}) == pytest.approx(0.55)
+    assert m(5, "cosine_with_min_lr", 10, 0, {"min_lr": 1e-7}, lr=1e-6) == pytest.approx(0.55)
+    # its warmup-first variant: warmup (k + 1) / w; after it progress (k - w + 1) / (n - w): k = 6, w = 2 -> 5/8
+    assert m(0, "cosine_warmup_with_min_lr", 10, 2, {"min_lr_rate": 0.0}) == pytest.approx(0.5)
+    assert m(6, "cosine_warmup_with_min_lr", 10, 2, {"min_lr_rate": 0.0}) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 5 / 8)))
+    # a warmup from 0.1 over w - 1 = 50 steps (torch's LinearLR(start_factor=0.1, total_iters=50)): k = 10 -> 0.28
+    assert m(10, "cosine_warmup_with_min_lr", 12, 51, {"min_lr_rate": 0.0, "warmup_lr_rate": 0.1}) == \
+        pytest.approx(0.1 + 0.9 * 10 / 50)
+    # restarts: 2 cycles over 10 steps, k = 5 starts the second (1.0), k = 10 is past the end (0)
+    assert [m(k, "cosine_with_restarts", 10, 0, {"num_cycles": 2}) for k in (0, 5, 10)] == pytest.approx([1, 1, 0])
+    # polynomial, power 2, lr 1e-6 to lr_end 1e-7 over 10: k = 5 -> (0.9e-6 x 0.25 + 1e-7) / 1e-6 = 0.325
+    assert m(5, "polynomial", 10, 0, {"power": 2.0, "lr_end": 1e-7}, lr=1e-6) == pytest.approx(0.325)
+    # inverse sqrt, warmup 4 (timescale 4): k = 12 -> 1 / sqrt(12 / 4)
+    assert m(12, "inverse_sqrt", 20, 4) == pytest.approx(1 / math.sqrt(3))
+    # warmup-stable-decay: w 2, 2 decay steps, linear decay to 0.1 over 10 steps: stable from 2 to 7, 8 -> 1.0, 9 -> 0.55
+    wsd = {"num_decay_steps": 2, "decay_type": "linear", "min_lr_ratio": 0.1}
+    assert [m(k, "warmup_stable_decay", 10, 2, wsd) for k in (0, 1, 5, 8, 9, 10)] == pytest.approx(
+        [0.1, 0.55, 1.0, 1.0, 0.55, 0.1])
+    # a warmup longer than the run: 50 steps over 12, step 11 at 11/50
+    assert m(11, "linear", 12, 50) == pytest.approx(0.22)
+    assert m(11, "constant_with_warmup", 12, 50) == pytest.approx(0.22)
+    with pytest.raises(ValueError, match="min_lr_rate"):
+        m(3, "cosine_with_min_lr", 10)
+
+
+_SCHEDULE_CASES = [  # (schedule, warmup, kwargs) over runs shorter and longer than the warmup
+    ("constant", 0, {}), ("constant_with_warmup", 3, {}), ("linear", 0, {}), ("linear", 4, {}),
+    ("cosine", 0, {}), ("cosine", 3, {"num_cycles": 0.25}), ("cosine", 2, {"num_cycles": 1.5}),
+    ("cosine_with_restarts", 0, {}), ("cosine_with_restarts", 2, {"num_cycles": 3}),
+    ("polynomial", 0, {}), ("polynomial", 2, {"power": 2.0, "lr_end": 1e-5}), ("polynomial", 3, {"power": 0.5}),
+    ("inverse_sqrt", 0, {}), ("inverse_sqrt", 4, {}), ("inverse_sqrt", 2, {"timescale": 7}),
+    ("cosine_with_min_lr", 0, {"min_lr_rate": 0.1}), ("cosine_with_min_lr", 3, {"min_lr": 2e-5, "num_cycles": 0.3}),
+    ("cosine_warmup_with_min_lr", 0, {"min_lr_rate": 0.0}), ("cosine_warmup_with_min_lr", 3, {"min_lr_rate": 0.2}),
+    ("cosine_warmup_with_min_lr", 5, {"min_lr_rate": 0.1, "warmup_lr_rate": 0.1}),
+    ("warmup_stable_decay", 2, {"num_decay_steps": 3}), ("warmup_stable_decay", 0, {"num_decay_steps": 4,
+                                                                                    "decay_type": "linear"}),
+    ("warmup_stable_decay", 3, {"num_decay_steps": 2, "warmup_type": "cosine", "decay_type": "1-sqrt",
+                                "min_lr_ratio": 0.05}),
+    ("warmup_stable_decay", 2, {"num_decay_steps": 2, "num_stable_steps": 1, "warmup_type": "1-sqrt"}),
+]
+
+
+@pytest.mark.parametrize("schedule,warmup,kwargs", _SCHEDULE_CASES)
+@pytest.mark.parametrize("scale", [1, 10])  # a warmup shorter than the run, and (scaled x10) longer than it
+def test_every_schedule_as_transformers(schedule, warmup, kwargs, scale):
+    """Each rate the built-in loop's multiplier gives is transformers' own get_scheduler's, step by step."""
+    from transformers import get_scheduler
+
+    warmup, steps, lr = warmup * scale, 12, 1e-4
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(schedule, opt, num_warmup_steps=warmup, num_training_steps=steps,
+                          scheduler_specific_kwargs=dict(kwargs) or None)
+    theirs = []
+    for _ in range(steps + 2):  # (two steps past the run: what a schedule does after its horizon)
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = [lr * core.lr_multiplier(k, schedule, steps, warmup, kwargs, lr=lr) for k in range(steps + 2)]
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-15)
 
 
 def test_clip_stats_by_hand():

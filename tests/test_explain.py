@@ -126,8 +126,9 @@ def test_the_learning_rate_is_read_from_the_log_not_searched():
 def test_a_learning_rate_logged_a_step_ahead_is_read_with_the_rates_the_weights_show():
     """Many loops log the rate after their scheduler stepped (the next step's). A named schedule: TRL's linear decay
     after a one-step warmup from 0, logged a step ahead, fits a linear decay without warmup too; the weights' step-1
-    rate (0) tells them apart. A schedule of its own (a warmup to a cosine): the weights show each logged rate one
-    step later, so the replayed rates are the log's shifted by one, the first from the weights."""
+    rate (0) tells them apart. A schedule of its own (a warmup to steps that halve the rate, torch's StepLR): the
+    weights show each logged rate one step later, so the replayed rates are the log's shifted by one, the first from
+    the weights."""
     spec = load_spec(DEFAULT_SPEC, ["STEPS=12"])
     steps = list(range(1, 13))
     own = [0.0] + [1e-6 * (12 - s) / 11 for s in range(1, 12)]  # the rate step s trains at (TRL: linear, warmup 1)
@@ -137,7 +138,7 @@ def test_a_learning_rate_logged_a_step_ahead_is_read_with_the_rates_the_weights_
     assert changes == {"LR": 1e-06, "LR_SCHEDULE": "linear", "WARMUP_STEPS": 1} and ahead, (changes, said)
     changes, _, _ = settings_from_log(logged, spec)  # without the weights: the warmup's first step is not seen
     assert changes.get("WARMUP_STEPS") is None
-    cosine = [0.0, 1.5e-3] + [3e-3 * (0.55 + 0.45 * math.cos(math.pi * s / 64)) for s in range(10)]
+    cosine = [0.0, 1.5e-3] + [3e-3 * 0.5 ** (s // 4) for s in range(10)]
     logged = pd.DataFrame({"learning_rate": cosine[1:] + [cosine[-1]]}, index=steps)
     weights = [None, *[r * (1 + 0.002 * (-1) ** i) for i, r in enumerate(cosine[1:], 1)]]  # (step 1: no gradient)
     changes, said, ahead = settings_from_log(logged, spec, weights)
@@ -145,6 +146,32 @@ def test_a_learning_rate_logged_a_step_ahead_is_read_with_the_rates_the_weights_
     as_logged = list(logged["learning_rate"])  # weights that agree with the log as it is: no shift
     changes, _, ahead = settings_from_log(logged, spec, as_logged)
     assert changes["LR_STEPS"] == pytest.approx(as_logged, rel=1e-5) and not ahead
+
+
+def test_a_logged_schedule_is_written_in_trls_fields():
+    """Schedules hand-written loops use, read from the logged rates as the TRL fields that reproduce them over the
+    run: a cosine to a floor after a warmup, a linear decay over a horizon longer than the run (polynomial, lr_end
+    = LR (H - STEPS) / H), a cosine over a longer horizon (num_cycles = 0.5 STEPS / H), a warmup longer than the run
+    (the spec check refused it before: exit 3), torch's LinearLR warmup from 0.1 x LR over 50 steps (warmup_stable_
+    decay's warmup from min_lr_ratio)."""
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=12", "LR=1e-6"])
+    steps = list(range(1, 13))
+    cases = {  # the rate of step s (0-based) -> the changes
+        "cosine to 0.1 after 2": ([0.0, 5e-7] + [1e-7 + 9e-7 * 0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(10)],
+                                  {"LR_SCHEDULE": "cosine_with_min_lr", "WARMUP_STEPS": 2,
+                                   "LR_SCHEDULER_KWARGS": {"min_lr_rate": 0.1}}),
+        "linear over 20": ([1e-6 * (20 - s) / 20 for s in range(12)],
+                           {"LR_SCHEDULE": "polynomial", "LR_SCHEDULER_KWARGS": {"power": 1.0, "lr_end": 4e-7}}),
+        "cosine over 20": ([1e-6 * 0.5 * (1 + math.cos(math.pi * s / 20)) for s in range(12)],
+                           {"LR_SCHEDULE": "cosine", "LR_SCHEDULER_KWARGS": {"num_cycles": 0.3}}),
+        "warmup of 50": ([1e-6 * s / 50 for s in range(12)], {"WARMUP_STEPS": 50}),
+        "LinearLR from 0.1 over 50": ([1e-6 * (0.1 + 0.9 * s / 50) for s in range(12)],
+                                      {"LR_SCHEDULE": "warmup_stable_decay", "WARMUP_STEPS": 50,
+                                       "LR_SCHEDULER_KWARGS": {"num_decay_steps": 0, "min_lr_ratio": 0.1}}),
+    }
+    for name, (rates, want) in cases.items():
+        changes, said, ahead = settings_from_log(pd.DataFrame({"learning_rate": rates}, index=steps), spec)
+        assert changes == want and not ahead, (name, changes, said)
 
 
 def test_trl_fields_name_what_trl_can_be_set_to_and_nothing_for_a_quirk():

@@ -17,7 +17,8 @@ SPEC = types.SimpleNamespace(ADV_SCALE="group", STD="bessel", STD_EPS=1e-4, STD_
                              COMPLETION_MASK="eos", LOSS_NORM="sequence", LOSS_SUM=False, BETA=0.0, KL_ESTIMATOR="k3",
                              KL_IS_CORRECTION=True, CLIP_LOW=0.2, CLIP_HIGH=0.2, LR=3e-3, LR_SCHEDULE="constant",
                              ADAM_BETA1=0.9, ADAM_BETA2=0.99, ADAM_EPS=1e-8, WEIGHT_DECAY=0.0, MAX_GRAD_NORM=1.0,
-                             WEIGHT_DECAY_ALL=False, MICRO_BATCH_ORDER="shuffled")
+                             WEIGHT_DECAY_ALL=False, MICRO_BATCH_ORDER="shuffled", WARMUP_STEPS=0,
+                             LR_SCHEDULER_KWARGS={})
 
 
 def _cell(mine: dict, rounds: list, spec, pad: int, chosen: dict | None = None) -> CellData:
@@ -244,7 +245,7 @@ def test_the_sequence_weight_sums_the_whole_completion_not_only_the_tokens_in_th
 
 
 def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, steps: int = 4, linear: bool = False,
-               decay_all: bool = False, scale: float = 1.0):
+               decay_all: bool = False, scale: float = 1.0, multiplier=None):
     """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes (`scale`: its
     weights' size, against which the updates' rounding goes)."""
     from harness.loop import Probe
@@ -272,7 +273,7 @@ def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, 
     rows, norms = [], []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = lr * (1 - step / 10) if linear else lr
+            group["lr"] = lr * (multiplier(step) if multiplier else (1 - step / 10) if linear else 1.0)
         x = torch.randn(64, 16)
         loss = (model(x) ** 2).mean() * (1 + step)  # norms that change from step to step
         loss.backward()
@@ -306,6 +307,30 @@ def test_optimizer_clipping_schedule_and_beta1():
     f = identify.optimizer(rows, norms, SPEC, steps_total=10)
     assert f.settings.get("LR_SCHEDULE") == "linear" and f.settings.get("ADAM_BETA1") == 0.8, f
     assert f.settings["MAX_GRAD_NORM"] == pytest.approx(thr, rel=0.15), (f, thr, norms)
+
+
+def test_optimizer_reads_any_trl_schedule_from_the_weights():
+    """A cosine to a floor after a warmup, read from the weights alone, in TRL's fields; a weight decay of 0.017
+    known to +-4e-6 stays 0.017."""
+    from scratch_grpo.core import lr_multiplier
+
+    kw = {"min_lr_rate": 0.1}
+    rows, norms = _adamw_run(3, 2e-3, (0.9, 0.999), 1e-8, 0.0, 0.0, steps=10,
+                             multiplier=lambda s: lr_multiplier(s, "cosine_with_min_lr", 10, 2, kw))
+    f = identify.optimizer(rows, norms, SPEC, steps_total=10)
+    got = {k: f.settings.get(k) for k in ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS")}
+    assert got == {"LR": 2e-3, "LR_SCHEDULE": "cosine_with_min_lr", "WARMUP_STEPS": 2,
+                   "LR_SCHEDULER_KWARGS": {"min_lr_rate": 0.1}}, f
+    rows, norms = _adamw_run(3, 1e-2, (0.9, 0.999), 1e-8, 0.017, 0.0, steps=10)
+    assert identify.optimizer(rows, norms, SPEC, steps_total=10).settings.get("WEIGHT_DECAY") == 0.017
+
+
+def test_snap_keeps_a_value_known_within_its_uncertainty():
+    from harness.diagnose.identify.numerics import snap
+
+    assert snap(0.0171, 1e-4, (0.0, 0.01, 0.1, 0.02)) == 0.017  # not 0.02: 0.003 away, 30x its uncertainty
+    assert snap(0.0199, 1e-3, (0.0, 0.01, 0.1, 0.02)) == 0.02
+    assert snap(0.012345, 1e-5, ()) == 0.01235 and snap(0.012345, 1e-3, ()) == 0.012
 
 
 def test_optimizer_decay_on_every_parameter():

@@ -91,6 +91,19 @@ def test_lockstep_parity_multi_iteration_kl_and_warmup(tmp_path):
     assert list(s["learning_rate"]) == pytest.approx([0.0, 1.5e-3, 3e-3, 2.25e-3, 1.5e-3, 7.5e-4])
 
 
+def test_lockstep_parity_cosine_to_a_floor_with_warmup(tmp_path):
+    """A schedule other than TRL's default, with its lr_scheduler_kwargs: both loops step at the same rates."""
+    spec = small_spec("STEPS=5", 'LR_SCHEDULE="cosine_with_min_lr"', "WARMUP_STEPS=2",
+                      "LR_SCHEDULER_KWARGS={min_lr_rate = 0.1}")
+    s, t = lockstep(spec, tmp_path)
+    for m in ("loss", "grad_norm", "learning_rate"):
+        torch.testing.assert_close(torch.tensor(s[m].values, dtype=torch.float64),
+                                   torch.tensor(t[m].values, dtype=torch.float64), rtol=1e-4, atol=1e-5,
+                                   msg=lambda msg: f"{m}: {msg}")
+    # by hand: warmup 0, 1/2; then the half cosine over 3 steps to a floor of 0.1: 1, 0.75 x 0.9 + 0.1, 0.25 x 0.9 + 0.1
+    assert list(s["learning_rate"]) == pytest.approx([0.0, 1.5e-3, 3e-3, 2.325e-3, 9.75e-4])
+
+
 def test_lockstep_detects_a_loss_type_mismatch(tmp_path):
     """The same comparison must fail when TRL is left on its default loss_type (dapo) against a per-sequence loop."""
     spec = small_spec("STEPS=4")

@@ -48,14 +48,15 @@ def _explained(tmp_path, name: str, *flags: str, tensor_steps: int = 6) -> dict:
 def test_openrlhfs_grpo_math_with_its_own_schedule_logged_a_step_ahead(tmp_path):
     """OpenRLHF's group_norm GRPO (advantage epsilon 1e-9, a token mean over the whole step, lr 5e-7 with a 2-step
     warmup to a cosine with a floor over a 64-step horizon, the rate logged after the scheduler stepped): the
-    schedule replayed step by step (its first rate, 0, read from the weights), the rest in TRL's terms; its KL
-    (0.001, no ratio factor) and beta2 0.95 act under the tolerance at this rate, said as what the run could not tell."""
+    schedule in TRL's fields (cosine_with_min_lr over the run's 12 steps: num_cycles = 0.5 x 10 / 62, its first rate,
+    0, read from the weights), the rest in TRL's terms; its KL (0.001, no ratio factor) and beta2 0.95 act under the
+    tolerance at this rate, said as what the run could not tell."""
     found = _explained(tmp_path, "openrlhf_grpo.py")
     assert found["status"] == "confirmed", found["evidence"]
-    assert found["fix"]["trl"] == {"loss_type": "dapo", "learning_rate": 5e-07, "reward_weights": [1.0, 0.0]}
-    rates = found["fix"]["scratch"]["LR_STEPS"]
-    assert rates[:3] == [0.0, 2.5e-07, 5e-07] and len(rates) == 12, rates
-    assert set(found["fix"]["scratch"]) == {"LR_STEPS", "STD_EPS"}, found["fix"]
+    assert found["fix"]["trl"] == {"loss_type": "dapo", "learning_rate": 5e-07, "reward_weights": [1.0, 0.0],
+                                   "lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": 2,
+                                   "lr_scheduler_kwargs": {"num_cycles": 0.08065, "min_lr_rate": 0.1}}, found["fix"]
+    assert set(found["fix"]["scratch"]) == {"STD_EPS"}, found["fix"]
     notes = " ".join(found["notes"])
     assert "after its scheduler stepped" in notes and "could not tell: with beta = 0.001" in notes, notes
 
@@ -63,12 +64,15 @@ def test_openrlhfs_grpo_math_with_its_own_schedule_logged_a_step_ahead(tmp_path)
 def test_nemo_rls_grpo_with_its_leave_one_out_baseline_and_warmup(tmp_path):
     """NeMo-RL's GRPO (leave-one-out baseline and std with no division where the others are alike, a token mean over
     the step, a k3 KL of 0.01, lr 5e-6 warming up from 0.1x over 50 steps, AdamW with decay 0.01 on every
-    parameter): the baseline and the schedule as the built-in loop's switches, the rest in TRL's terms."""
+    parameter): the baseline as the built-in loop's switch, the rest in TRL's terms, the warmup from 0.1 x 5e-6 over
+    50 steps as warmup_stable_decay's (its warmup from min_lr_ratio; it was LR_STEPS, "TRL has no setting")."""
     found = _explained(tmp_path, "nemorl_grpo.py")
     assert found["status"] == "confirmed", found["evidence"]
-    assert found["fix"]["trl"] == {"loss_type": "dapo", "beta": 0.01, "learning_rate": 1.49e-06}, found["fix"]
+    assert found["fix"]["trl"] == {"loss_type": "dapo", "beta": 0.01, "learning_rate": 5e-06,
+                                   "lr_scheduler_type": "warmup_stable_decay", "warmup_steps": 50,
+                                   "lr_scheduler_kwargs": {"num_decay_steps": 0, "min_lr_ratio": 0.1}}, found["fix"]
     scratch = found["fix"]["scratch"]
-    assert scratch["ADV_BASELINE"] == "loo" and scratch["LR_STEPS"][:2] == [5e-07, 5.9e-07], scratch
+    assert scratch["ADV_BASELINE"] == "loo" and "LR_STEPS" not in scratch, scratch
     notes = " ".join(found["notes"])
     assert "could not tell: with adam_beta2 = 0.999" in notes and "weight_decay = 0.01" in notes, notes
 

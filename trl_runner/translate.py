@@ -218,7 +218,7 @@ def translate(spec) -> Translation:
         "mask_truncated_completions": spec.MASK_TRUNCATED,
         "learning_rate": spec.LR,
         "lr_scheduler_type": ("constant_with_warmup" if spec.WARMUP_STEPS else "constant")
-        if spec.LR_SCHEDULE == "constant" else "linear",
+        if spec.LR_SCHEDULE == "constant" else spec.LR_SCHEDULE,
         "warmup_steps": spec.WARMUP_STEPS,
         "adam_beta1": spec.ADAM_BETA1, "adam_beta2": spec.ADAM_BETA2, "adam_epsilon": spec.ADAM_EPS,
         "weight_decay": spec.WEIGHT_DECAY, "max_grad_norm": spec.MAX_GRAD_NORM,
@@ -234,6 +234,8 @@ def translate(spec) -> Translation:
         "dataloader_num_workers": 0, "use_cpu": spec.DEVICE == "cpu", "bf16": spec.DTYPE == "bfloat16",
         "full_determinism": spec.DETERMINISTIC,
     }
+    if spec.LR_SCHEDULER_KWARGS:  # the schedule's parameters (min_lr_rate, num_cycles, power, lr_end, ...)
+        kw["lr_scheduler_kwargs"] = dict(spec.LR_SCHEDULER_KWARGS)
     if spec.STEPS_PER_GENERATION > 1:  # several optimizer steps per generation (defaults to one per generation)
         kw["steps_per_generation"] = ga * spec.STEPS_PER_GENERATION
     gc_field = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
@@ -329,9 +331,11 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     T.append(_row("other", "TEMPERATURE / TOP_P / TOP_K", f"{spec.TEMPERATURE} / {spec.TOP_P} / {spec.TOP_K}",
                   "temperature / top_p / top_k", f"{kw['temperature']} / {kw['top_p']} / {kw['top_k']}",
                   "both compute log-probs on logits / temperature"))
-    T.append(_row("other", "LR, LR_SCHEDULE, WARMUP_STEPS", f"{spec.LR}, {spec.LR_SCHEDULE}, {spec.WARMUP_STEPS}",
+    T.append(_row("other", "LR, LR_SCHEDULE, WARMUP_STEPS", f"{spec.LR}, {spec.LR_SCHEDULE}, {spec.WARMUP_STEPS}"
+                  + (f", {spec.LR_SCHEDULER_KWARGS}" if spec.LR_SCHEDULER_KWARGS else ""),
                   "learning_rate, lr_scheduler_type, warmup_steps",
-                  f"{kw['learning_rate']}, {kw['lr_scheduler_type']}, {kw['warmup_steps']}",
+                  f"{kw['learning_rate']}, {kw['lr_scheduler_type']}, {kw['warmup_steps']}"
+                  + (f", {kw['lr_scheduler_kwargs']}" if kw.get("lr_scheduler_kwargs") else ""),
                   "TRL's default schedule is linear decay to 0 at max_steps"))
     T.append(_row("other", "ADAM_BETA1 / ADAM_BETA2 / ADAM_EPS / WEIGHT_DECAY",
                   f"{spec.ADAM_BETA1} / {spec.ADAM_BETA2} / {spec.ADAM_EPS} / {spec.WEIGHT_DECAY}",

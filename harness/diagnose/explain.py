@@ -34,10 +34,11 @@ from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
 from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
                                             loss_in_value_words, suspected_words, write_table)
+from harness.diagnose.fitted import admissible, refused_words
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.search import Search, Trial, _same, trl_moves
+from harness.diagnose.search import Search, Trial, _same, one_change, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words
 from trl_runner.translate import NORM_OF_LOSS_TYPE
 
@@ -170,7 +171,8 @@ def _start(spec, data, result: dict, log) -> Start:
     base = scratch_as_trl(spec)
     findings = tuple(_identify(data, base, log))
     opt = next((f for f in findings if f.stage == "optimizer" and f.readable), None)
-    read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None)
+    stated: dict = {}  # the schedule your log states, changed or not
+    read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None, stated)
     weights, weights_said = reward_weights_from_log(data.yours, base, list(data.scores))
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
@@ -188,19 +190,35 @@ def _start(spec, data, result: dict, log) -> Start:
         peak = max(read["LR_STEPS"])  # (the peak: TRL's learning_rate, the nearest it has)
         if peak and not math.isclose(peak, base.LR, rel_tol=1e-6):
             read["LR"] = peak
-        fixed = {k: v for k, v in fixed.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
-        unsure = {k: v for k, v in unsure.items() if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS")}
-    conflict = {k: (read[k], v) for k, v in fixed.items() if k in read and read[k] != v  # (a rate read within
-                and not (isinstance(v, float) and math.isclose(read[k], v, rel_tol=2e-3))}  # its fit's noise: alike)
-    for k, (logged, measured) in conflict.items():  # what your log states and what your tensors show disagree
-        notes.append(f"{k}: your log states {toml_value(logged)}, your tensors show {toml_value(measured)}; the "
+        schedule = ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS")
+        fixed = {k: v for k, v in fixed.items() if k not in schedule}
+        unsure = {k: v for k, v in unsure.items() if k not in schedule}
+    logged = {**stated, **read}  # a value your log states stands as it states it (1e-6, not the tensors' 9.988e-07)
+    conflict = {k: (logged[k], v) for k, v in fixed.items() if k in logged and not _alike(logged[k], v)}
+    for k, (said_, measured) in conflict.items():  # what your log states and what your tensors show disagree
+        notes.append(f"{k}: your log states {toml_value(said_)}, your tensors show {toml_value(measured)}; the "
                      "search starts from the log's")
-    fixed = {k: v for k, v in fixed.items() if k not in conflict}
+    fixed = {k: v for k, v in fixed.items() if k not in logged}
     unsure = {k: v for k, v in unsure.items() if k not in read}  # (a value your log states beats a fit's look-alike)
     notes += identify.words(findings)
-    return Start(base=base, read={**read, **fixed}, unsure=unsure, identified={**fixed, **unsure}, settles=settles,
+    start, refused = admissible(base, {**read, **fixed})  # (a fit the spec check refuses: not told, said so)
+    on_top, refused_unsure = admissible(base, {**start, **unsure})
+    unsure = {k: v for k, v in unsure.items() if k in on_top}
+    fixed = {k: v for k, v in fixed.items() if k in start}
+    notes += refused_words({**refused, **{k: v for k, v in refused_unsure.items() if k not in start}})
+    return Start(base=base, read=start, unsure=unsure, identified={**fixed, **unsure}, settles=settles,
                  settled=frozenset(set(settles) - set(conflict)), findings=findings, lr_ahead=lr_ahead,
                  notes=tuple(notes))
+
+
+def _alike(a, b) -> bool:
+    """A value your log states and one your tensors show alike: a rate within its fit's noise (2e-3), a table
+    whose every value is."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return math.isclose(a, b, rel_tol=2e-3)
+    return a == b
 
 
 def _found(spec, search: Search, start: Start, data, log) -> Found:
@@ -249,8 +267,8 @@ def _answer(base, changes: dict, start: Start, trace: list[dict]) -> Answer:
     what your loop saved, guessed from the tensor diff, or searched."""
     from_tensors = {k for t in trace if t.get("guessed_from_tensors") for k in t["changes"]}
     trl = trl_fields(base, changes) if changes else {}
-    quirks = {k: v for k, v in changes.items() if not trl_moves(base, {k: v})}
-    differences = [{"field": k, "value": v, "trl": trl_fields(base, {k: v}), "words": words(k, v),
+    quirks = {k: v for k, v in changes.items() if not trl_moves(base, one_change(changes, k))}
+    differences = [{"field": k, "value": v, "trl": trl_fields(base, one_change(changes, k)), "words": words(k, v),
                     "read_from_log": k in start.read and k not in start.identified, "identified": k in start.identified,
                     "from_tensors": k in from_tensors} for k, v in changes.items()]
     return Answer(trl, quirks, differences)
@@ -540,8 +558,9 @@ SCRATCH_OF_TRL = {
     "scale_rewards": ("ADV_SCALE", str), "num_iterations": ("NUM_ITERATIONS", int),
     "mask_truncated_completions": ("MASK_TRUNCATED", bool), "max_completion_length": ("MAX_TOKENS", int),
     "temperature": ("TEMPERATURE", float), "top_p": ("TOP_P", float), "top_k": ("TOP_K", int),
-    "lr_scheduler_type": ("LR_SCHEDULE", lambda v: {"linear": "linear", "constant": "constant",
-                                                    "constant_with_warmup": "constant"}[getattr(v, "value", v)]),
+    "lr_scheduler_type": ("LR_SCHEDULE", lambda v: {"constant_with_warmup": "constant"}.get(getattr(v, "value", v),
+                                                                                         getattr(v, "value", v))),
+    "lr_scheduler_kwargs": ("LR_SCHEDULER_KWARGS", dict),
     "warmup_steps": ("WARMUP_STEPS", int), "adam_beta1": ("ADAM_BETA1", float), "adam_beta2": ("ADAM_BETA2", float),
     "adam_epsilon": ("ADAM_EPS", float), "weight_decay": ("WEIGHT_DECAY", float),
     "max_grad_norm": ("MAX_GRAD_NORM", float), "reward_weights": ("rewards.weights", lambda v: [float(w) for w in v]),

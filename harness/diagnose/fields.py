@@ -79,6 +79,8 @@ FIELDS = {
                 lambda v: f"trains at a learning rate of {v:g}"),
     "LR_SCHEDULE": Field("lr_scheduler_type", ("constant", "linear"), 3, lambda v: f"uses a {v} learning-rate schedule"),
     "WARMUP_STEPS": Field("warmup_steps", words=lambda v: f"warms the learning rate up over {v} steps"),
+    "LR_SCHEDULER_KWARGS": Field("lr_scheduler_kwargs", words=lambda v: f"sets its schedule's parameters "
+                                 f"{toml_value(v)}" if v else "sets no parameters of its schedule"),
     "ADAM_BETA1": Field("adam_beta1", (0.9, 0.0), 3, lambda v: f"uses Adam beta1 {v:g}"),
     "ADAM_BETA2": Field("adam_beta2", (0.999, 0.99, 0.98, 0.95, 0.9), 3, lambda v: f"uses Adam beta2 {v:g}",
                         look_alike=(0.999, 0.99, 0.98, 0.95)),  # (at a small learning rate)
@@ -242,4 +244,6 @@ def toml_value(value) -> str:
     """A value as TOML writes it (true, "text", 0.01)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, dict):  # an inline table: {min_lr_rate = 0.1}
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value) if isinstance(value, str) else repr(value)

@@ -10,81 +10,88 @@ from __future__ import annotations
 import math
 import statistics
 
-from harness.diagnose.fields import words
+from harness.diagnose.fields import toml_value, words
 
 
-def settings_from_log(yours, spec, rates: list | None = None) -> tuple[dict, list[str], bool]:
-    """Spec changes your loop's logged `learning_rate` states (peak rate, schedule, warmup), and sentences saying
-    what was read. The logged rate is the step's own, or (read after the scheduler stepped, as many loops log it) the
-    next step's: both are tried, the step's own first. A series no named schedule fits (a warmup from a fraction of
-    the rate, a cosine to a floor, a decay over a horizon other than STEPS) is replayed as it is: LR_STEPS, one rate
-    per step. `rates`: the rate of each step your weights show (the optimizer stage's reading, None where a step had
-    no gradient): they tell a log a step ahead from the step's own, and the first step's rate the log does not show."""
-    from scratch_grpo.core import lr_multiplier
-
+def settings_from_log(yours, spec, rates: list | None = None, stated: dict | None = None) -> tuple[dict, list[str],
+                                                                                               bool]:
+    """Spec changes your loop's logged `learning_rate` states (peak rate, schedule, warmup, the schedule's
+    parameters: any schedule TRL names, diagnose.schedules), and sentences saying what was read. The logged rate is
+    the step's own, or (read after the scheduler stepped, as many loops log it) the next step's: both are tried, the
+    step's own first. A series no TRL schedule fits is replayed as it is: LR_STEPS, one rate per step. `rates`: the
+    rate of each step your weights show (the optimizer stage's reading, None where a step had no gradient): they tell
+    a log a step ahead from the step's own, and the first step's rate the log does not show. `stated`: filled with
+    the schedule the log states (every field, changed or not), where one fits: a value your loop logs stands as it
+    logs it."""
     if "learning_rate" not in yours.columns:
         return {}, [], False
     lr = yours["learning_rate"].dropna().astype(float)
     if lr.empty:
         return {}, [], False
     steps = [int(s) for s in lr.index]
-    fits = []
-    for ahead in (0, 1):  # the step's own rate, or the next step's (logged after the scheduler stepped)
-        for schedule in ("constant", "linear"):
-            rising = lr.iloc[0] < lr.max() or ahead  # (a log a step ahead hides the warmup's first step)
-            for warmup in sorted({0, spec.WARMUP_STEPS} | ({int(s) for s in steps[:12]} if rising else set())):
-                mult = [lr_multiplier(s - 1 + ahead, schedule, spec.STEPS, warmup) for s in steps]
-                peak_at = max(range(len(mult)), key=lambda i: mult[i])
-                if mult[peak_at] <= 0:
-                    continue
-                peak = float(lr.iloc[peak_at]) / mult[peak_at]
-                if peak > 0 and all(math.isclose(peak * m, float(v), rel_tol=1e-5, abs_tol=1e-12)
-                                    for m, v in zip(mult, lr)):
-                    fits.append((schedule, warmup, peak, ahead))
-        if ahead and rates and rates[0] is not None:  # the first step's rate, which a log a step ahead never shows
-            first = [f for f in fits if _near(f[2] * lr_multiplier(0, f[0], spec.STEPS, f[1]), rates[0], f[2])]
-            fits = first or fits
-        if fits and (ahead or not _ahead(list(lr), rates)):
-            break
-        fits = []
-    if not fits:
-        if steps != list(range(1, len(steps) + 1)):
-            shown = ", ".join(f"{v:.3g}" for v in lr.iloc[:4])
-            return {}, [f"your loop's logged learning_rate ({shown}, ...) follows no schedule the harness knows "
-                        "(constant or linear to 0 at STEPS, with a linear warmup) and skips steps: the search leaves "
-                        "the schedule as the spec has it"], False
-        per_step = [float(f"{v:.6g}") for v in lr]
-        said = []
-        if _ahead(per_step, rates):  # the weights show each logged rate at the next step
-            first = rates[0] if rates[0] is not None else 0.0
-            first = 0.0 if abs(first) < 1e-3 * max(per_step) else float(f"{first:.4g}")
-            per_step = [first, *per_step[:-1]]
-            said.append("your loop logs each step's learning_rate after its scheduler stepped (its weights show the "
-                        "rate it logs at a step used at the next): the rates per step are the log's a step later, the "
-                        f"first ({first:.4g}) read from its weights")
-        return {"LR_STEPS": per_step}, ["read from your loop's logged learning_rate: " + words("LR_STEPS", per_step)
-                                        .removeprefix("your loop ") + " (no constant or linear schedule with a warmup "
-                                        "fits it: the built-in loop replays it step by step)", *said], bool(said)
-    prefer = [f for f in fits if f[0] == spec.LR_SCHEDULE and f[1] == spec.WARMUP_STEPS] or fits
-    schedule, warmup, peak, ahead = prefer[0]
-    changes = {}
-    if not math.isclose(peak, spec.LR, rel_tol=1e-6):
-        changes["LR"] = float(f"{peak:.6g}")
-    if schedule != spec.LR_SCHEDULE and not (len(set(round(v, 15) for v in lr)) == 1 and schedule == "linear"):
-        changes["LR_SCHEDULE"] = schedule
-    if warmup != spec.WARMUP_STEPS:
-        changes["WARMUP_STEPS"] = warmup
+    fit, ahead = _fitted(lr, steps, spec, rates)
+    if fit is None:
+        return _own_schedule(lr, steps, rates)
+    settings = fit.settings()
+    if stated is not None:
+        stated.update(settings)
+    have = {"LR": spec.LR, "LR_SCHEDULE": spec.LR_SCHEDULE, "WARMUP_STEPS": spec.WARMUP_STEPS,
+            "LR_SCHEDULER_KWARGS": dict(spec.LR_SCHEDULER_KWARGS)}
+    changes = {k: v for k, v in settings.items() if not (v == have[k] or k == "LR" and math.isclose(v, have[k],
+                                                                                                  rel_tol=1e-6))}
     said = []
     if changes:
         said.append("read from your loop's logged learning_rate: " + ", ".join(
             words(k, v).removeprefix("your loop ") for k, v in changes.items())
             + f" (the spec: {spec.LR:g}, {spec.LR_SCHEDULE}" + (f", warmup {spec.WARMUP_STEPS}" if spec.WARMUP_STEPS else "")
-            + ")")
+            + (f", {toml_value(spec.LR_SCHEDULER_KWARGS)}" if spec.LR_SCHEDULER_KWARGS else "") + ")")
     ahead = bool(ahead) and len(set(round(v, 15) for v in lr)) > 1
     if ahead:
         said.append("your loop logs each step's learning_rate after its scheduler stepped: the rate it logs at a "
                     "step is the next step's (logged otherwise, not a cause)")
     return changes, said, ahead
+
+
+def _fitted(lr, steps: list[int], spec, rates: list | None):
+    """The simplest TRL schedule your logged rates follow, as the step's own rate or the next step's (ahead = 1,
+    where the weights do not show the step's own: the first step's rate from the weights, where they read one):
+    (fit, ahead), or (None, 0)."""
+    from harness.diagnose.schedules import fit_schedule
+
+    stated = {"LR": spec.LR, "LR_SCHEDULE": spec.LR_SCHEDULE, "WARMUP_STEPS": spec.WARMUP_STEPS,
+              "LR_SCHEDULER_KWARGS": dict(spec.LR_SCHEDULER_KWARGS)}
+    for ahead in (0, 1):  # the step's own rate, or the next step's (logged after the scheduler stepped)
+        logged = {s - 1 + ahead: float(v) for s, v in zip(steps, lr)}
+        tries = [(logged, 1e-5)]
+        if ahead and rates and rates[0] is not None and 0 not in logged:  # the first step's rate, which a log a
+            first = {**logged, 0: float(rates[0])}  # step ahead never shows, read from the weights (to 5%)
+            tries.insert(0, (first, {**{s: 1e-5 for s in logged}, 0: 0.05}))
+        fit = next((f for f in (fit_schedule(obs, spec.STEPS, tol, stated) for obs, tol in tries) if f), None)
+        if fit is not None and (ahead or not _ahead(list(lr), rates)):
+            return fit, ahead
+    return None, 0
+
+
+def _own_schedule(lr, steps: list[int], rates: list | None) -> tuple[dict, list[str], bool]:
+    """A logged series no TRL schedule fits: replayed step by step (LR_STEPS), or, where the log skips steps, left
+    as the spec has it."""
+    if steps != list(range(1, len(steps) + 1)):
+        shown = ", ".join(f"{v:.3g}" for v in lr.iloc[:4])
+        return {}, [f"your loop's logged learning_rate ({shown}, ...) follows no schedule TRL names "
+                    "(lr_scheduler_type with its warmup and lr_scheduler_kwargs) and skips steps: the search leaves "
+                    "the schedule as the spec has it"], False
+    per_step = [float(f"{v:.6g}") for v in lr]
+    said = []
+    if _ahead(per_step, rates):  # the weights show each logged rate at the next step
+        first = rates[0] if rates[0] is not None else 0.0
+        first = 0.0 if abs(first) < 1e-3 * max(per_step) else float(f"{first:.4g}")
+        per_step = [first, *per_step[:-1]]
+        said.append("your loop logs each step's learning_rate after its scheduler stepped (its weights show the "
+                    "rate it logs at a step used at the next): the rates per step are the log's a step later, the "
+                    f"first ({first:.4g}) read from its weights")
+    return {"LR_STEPS": per_step}, ["read from your loop's logged learning_rate: " + words("LR_STEPS", per_step)
+                                    .removeprefix("your loop ") + " (no schedule TRL names fits it: the built-in "
+                                    "loop replays it step by step)", *said], bool(said)
 
 
 def _near(a: float, b: float, scale: float) -> bool:

@@ -59,8 +59,8 @@ def _lr_first_last(name, lr: float, steps: int, warmup: int, kwargs: dict | None
 
 
 def _scratch_lr_name(spec) -> str:
-    if spec.LR_SCHEDULE == "linear":
-        return "linear"
+    if spec.LR_SCHEDULE != "constant":
+        return spec.LR_SCHEDULE
     return "constant_with_warmup" if spec.WARMUP_STEPS else "constant"
 
 
@@ -187,7 +187,8 @@ def _lr_facts(spec, tr: Translation) -> dict:
     trl_cfg = tr.config("/tmp/grpo-parity-preflight", **tr.validated_with)
     trl_warmup = trl_cfg.get_warmup_steps(kw["max_steps"])
     s_lr = ((float(spec.LR_STEPS[0]), float(spec.LR_STEPS[min(spec.STEPS, len(spec.LR_STEPS)) - 1])) if spec.LR_STEPS
-            else _lr_first_last(_scratch_lr_name(spec), spec.LR, spec.STEPS, spec.WARMUP_STEPS))
+            else _lr_first_last(_scratch_lr_name(spec), spec.LR, spec.STEPS, spec.WARMUP_STEPS,
+                                spec.LR_SCHEDULER_KWARGS or None))
     t_lr = _lr_first_last(trl_cfg.lr_scheduler_type, kw["learning_rate"], kw["max_steps"], trl_warmup,
                           trl_cfg.lr_scheduler_kwargs or None)
     lr_fields = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "lr_scheduler_kwargs")

@@ -97,6 +97,17 @@ def _others(spec, key: str) -> list[Option]:
     return [o for o in _each(key) if o.value != getattr(spec, key)]
 
 
+_TOGETHER = ("LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS")  # a schedule's parameters mean nothing alone
+
+
+def one_change(changes: dict, key: str) -> dict:
+    """The change of `key`, with those of `changes` it cannot be set without (a schedule and its warmup and
+    lr_scheduler_kwargs: cosine_with_min_lr needs its min_lr_rate)."""
+    if key in _TOGETHER:
+        return {k: v for k, v in changes.items() if k in _TOGETHER}
+    return {key: changes[key]}
+
+
 def trl_moves(base, changes: dict) -> dict:
     """The GRPOConfig fields `changes` move in the spec's own translation, `[trl]` left out (an override would hide
     the move: `[trl] learning_rate` makes LR move nothing), with their new values: empty for a quirk TRL cannot
@@ -243,11 +254,18 @@ class Search:
         return self.root / f"{prefix}{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
     def is_trl(self, changes: dict) -> bool:
-        """Every change has a TRL setting (translated once per field and value)."""
-        for k, v in changes.items():
-            key = (k, json.dumps(v))
+        """Every change has a TRL setting (translated once per field and value, with what it is set with: a
+        schedule with its parameters); a set the spec check refuses has none."""
+        from harness.experiment.spec import SpecError
+
+        for k in changes:
+            one = one_change(changes, k)
+            key = json.dumps(one, sort_keys=True)
             if key not in self._trl:
-                self._trl[key] = bool(trl_moves(self.base, {k: v}))
+                try:
+                    self._trl[key] = bool(trl_moves(self.base, one))
+                except SpecError:
+                    self._trl[key] = False
             if not self._trl[key]:
                 return False
         return True

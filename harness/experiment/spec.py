@@ -278,9 +278,20 @@ class Spec:
     IS_CLIP_MAX: float = _f(3.0, "IS ratio upper bound.", min=0.0, min_exclusive=True)
     # --- optimizer ---
     LR: float = _f(1e-6, "Peak learning rate.", min=0.0, min_exclusive=True, max=10.0)
-    LR_SCHEDULE: str = _f("constant", "`constant`, or `linear` (decays to 0 at STEPS, TRL's default).",
-                          choices=("constant", "linear"))
-    WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR.", min=0)
+    LR_SCHEDULE: str = _f("constant", "transformers' `lr_scheduler_type` (TRL's): `constant` (with WARMUP_STEPS: "
+                          "`constant_with_warmup`), `linear` (decays to 0 at STEPS, TRL's default), `cosine`, "
+                          "`cosine_with_restarts`, `polynomial`, `constant_with_warmup`, `inverse_sqrt`, "
+                          "`cosine_with_min_lr`, `cosine_warmup_with_min_lr`, `warmup_stable_decay`; their parameters "
+                          "in LR_SCHEDULER_KWARGS. (`reduce_lr_on_plateau` and `greedy` step on a metric: not replayed.)",
+                          choices=("constant", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                                   "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr",
+                                   "cosine_warmup_with_min_lr", "warmup_stable_decay"))
+    WARMUP_STEPS: int = _f(0, "Linear warmup steps from 0 to LR (TRL's warmup_steps; may exceed STEPS: the rate then "
+                           "climbs through the whole run). transformers 5.25 has no warmup_ratio: its warmup_steps "
+                           "below 1 is a fraction of the run, ceil(STEPS x fraction) steps; give that count here.", min=0)
+    LR_SCHEDULER_KWARGS: dict = _f({}, "transformers' `lr_scheduler_kwargs` (TRL's), e.g. {min_lr_rate = 0.1} for "
+                                   "cosine_with_min_lr, {power = 1.0, lr_end = 1e-7} for polynomial, {num_cycles = 0.5}, "
+                                   "{num_decay_steps = 4, min_lr_ratio = 0.1} for warmup_stable_decay.")
     LR_STEPS: list = _f([], "A learning-rate schedule of your loop's own: the rate of each optimizer step, in order "
                         "(steps past the list keep its last rate). Set, it replaces LR_SCHEDULE and WARMUP_STEPS in the "
                         "built-in loop (a warmup from a fraction of LR, a cosine to a floor, a decay over a horizon "
@@ -383,6 +394,10 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> Any:
     if tp is float and not math.isfinite(value):
         raise SpecError(key, f"must be a finite number, got {value!r}")
     choices = meta.get("choices")
+    if key == "LR_SCHEDULE" and value in ("reduce_lr_on_plateau", "greedy"):
+        raise SpecError(key, f"{value!r} steps the rate on a metric (an eval loss, the training loss), not on the step "
+                        "count: neither loop can replay it in lockstep; name the schedule the rates follow (one of "
+                        f"{', '.join(choices)})")
     if choices and value not in choices:
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         raise SpecError(key, f"must be one of {', '.join(map(repr, choices))}; got {value!r}"
@@ -484,12 +499,59 @@ def _cross_checks(spec: Spec) -> None:
                         "(or \"vllm\" on a GPU with vLLM installed), or IS_CORRECTION = false")
     if spec.IS_CLIP_MIN and spec.IS_CLIP_MIN >= spec.IS_CLIP_MAX:
         raise SpecError("IS_CLIP_MIN", f"{spec.IS_CLIP_MIN} must be below IS_CLIP_MAX = {spec.IS_CLIP_MAX}")
-    if spec.WARMUP_STEPS >= spec.STEPS and spec.WARMUP_STEPS:
-        raise SpecError("WARMUP_STEPS", f"{spec.WARMUP_STEPS} must be below STEPS = {spec.STEPS}")
+    _check_schedule(spec)
     for i, rate in enumerate(spec.LR_STEPS):
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 10 or rate != rate:
             raise SpecError(f"LR_STEPS[{i}]", f"must be a learning rate between 0 and 10, got {rate!r} (one number "
                             "per optimizer step, e.g. LR_STEPS = [0.0, 1e-6, 9.1e-7])")
+
+
+# transformers 5.25's lr_scheduler_kwargs per lr_scheduler_type (its get_* functions' parameters), and those it needs
+_SCHEDULE_KWARGS = {
+    "constant": ((), ()), "constant_with_warmup": ((), ()), "linear": ((), ()),
+    "cosine": (("num_cycles",), ()), "cosine_with_restarts": (("num_cycles",), ()),
+    "polynomial": (("lr_end", "power"), ()), "inverse_sqrt": (("timescale",), ()),
+    "cosine_with_min_lr": (("num_cycles", "min_lr", "min_lr_rate"), ()),
+    "cosine_warmup_with_min_lr": (("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"), ()),
+    "warmup_stable_decay": (("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+                             "num_cycles"), ("num_decay_steps",)),
+}
+
+
+def _check_schedule(spec: Spec) -> None:
+    """LR_SCHEDULER_KWARGS are parameters LR_SCHEDULE takes (transformers' own checks, said by field)."""
+    accepted, needed = _SCHEDULE_KWARGS[spec.LR_SCHEDULE]
+    kw = spec.LR_SCHEDULER_KWARGS
+    for key, value in kw.items():
+        if key not in accepted:
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"{spec.LR_SCHEDULE} takes no {key!r}; it takes "
+                            + (", ".join(accepted) if accepted else "no parameters") + " (transformers' "
+                            "lr_scheduler_kwargs)")
+        words = key in ("warmup_type", "decay_type")
+        if words and value not in ("linear", "cosine", "1-sqrt"):
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"must be \"linear\", \"cosine\" or \"1-sqrt\", got {value!r}")
+        if not words and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                          or value < 0):
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"must be a number >= 0, got {value!r}")
+    for key in needed:
+        if key not in kw:
+            raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE} needs {key} (e.g. {{{key} = 2}})")
+    if spec.LR_SCHEDULE in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and ("min_lr" in kw) == ("min_lr_rate"
+                                                                                                       in kw):
+        raise SpecError("LR_SCHEDULER_KWARGS", f"{spec.LR_SCHEDULE} needs one of min_lr_rate or min_lr (e.g. "
+                        "{min_lr_rate = 0.1})")
+    for key in ("min_lr_rate", "min_lr_ratio", "warmup_lr_rate"):
+        if kw.get(key, 0) > 1:
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"is a fraction of LR: at most 1, got {kw[key]!r}")
+    for key in ("lr_end", "min_lr"):
+        if key in kw and not kw[key] < spec.LR:
+            raise SpecError(f"LR_SCHEDULER_KWARGS.{key}", f"{kw[key]!r} must be below LR = {spec.LR} (a rate the "
+                            "schedule decays to)")
+    if spec.LR_SCHEDULE == "polynomial" and "lr_end" not in kw and not 1e-7 < spec.LR:
+        raise SpecError("LR_SCHEDULER_KWARGS.lr_end", f"polynomial decays to lr_end (1e-7 unless set), which must "
+                        f"be below LR = {spec.LR}; set a smaller lr_end")
+    if kw.get("timescale", 1) == 0:
+        raise SpecError("LR_SCHEDULER_KWARGS.timescale", "must be above 0")
 
 
 def parse_spec(raw: dict, source: str = "<dict>") -> Spec:

@@ -18,11 +18,17 @@ _NICE_EPS = (1e-8, 0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-7, 1e-10, 1e-12)
 
 
 def snap(value: float, unc: float, nice=_NICE_EPS) -> float:
-    """The first round value within `unc` of `value` (the commonest choices first), else `value` to 3 digits."""
+    """The first round value within `unc` of `value` (the commonest choices first), else `value` with the fewest
+    significant digits that keep it within `unc` (the fit's own uncertainty: 0.0171 known to +-1e-4 is 0.017, not
+    0.02)."""
     for v in nice:
         if abs(v - value) <= unc:
             return v
-    return float(f"{value:.3g}")
+    for digits in range(1, 16):
+        v = float(f"{value:.{digits}g}")
+        if abs(v - value) <= unc:
+            return v
+    return value
 
 
 def _same(a, b) -> bool:

@@ -155,7 +155,7 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     if not known:
         return Finding("optimizer", None, "cannot be read: no probed step had a gradient (every advantage 0)", {},
                        False, readable=False)
-    settings, words, unsettled = _learning_rate(known, res, steps_total)
+    settings, words, unsettled = _learning_rate(known, res, steps_total, spec)
     settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
     words.append(f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}")
     for what, alike in (("Adam's beta1", alike_b1), ("Adam's beta2", alike_b2)):
@@ -223,27 +223,48 @@ def _look_alikes(p: _Probed, b1, b2, eps, clip, clips: list, floor: float, spec)
     return (b1, b2, eps, clip), (alike_b1, alike_b2, alike_eps, alike_clip)
 
 
-def _learning_rate(known: list, res: float, steps_total: int | None) -> tuple[dict, list, list]:
-    """The rate from each step's reading (`known`: (step index, rate)) and its schedule: (settings, words,
+def _learning_rate(known: list, res: float, steps_total: int | None, spec=None) -> tuple[dict, list, list]:
+    """The rate from each step's reading (`known`: (step index, rate)) and its schedule, any TRL names
+    (diagnose.schedules, each rate within the fit's own noise; the spec's own first): (settings, words,
     unsettled)."""
+    from harness.diagnose.schedules import fit_schedule
+
     settings, unsettled = {}, []
     lr_tol = max(1e-3, 2 * res)  # each step's rate carries the fit's own noise
     middle = float(np.median([x for _, x in known]))  # a constant rate: the middle of the steps' noisy readings
-    lr = middle if all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known) else max(x for _, x in known)
-    peak = float(f"{lr:.4g}")
+    flat = all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known)
+    stated = {k: getattr(spec, k) for k in ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS")
+              if hasattr(spec, k)}
+    fit = fit_schedule(dict(known), steps_total, lr_tol, stated) if steps_total and len(known) >= 2 and not flat \
+        else None
+    if fit is not None and fit.warmup > known[-1][0]:  # a rise through every probed step: only its slope is read
+        unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") rises through "
+                         "every probed step: its peak and its warmup are not told apart (" + _schedule_words(fit)
+                         + f" at {fit.peak:g} fits, as do others)")
+        return {}, ["steps Adam at a learning rate rising through every probed step"], unsettled
+    if fit is not None:
+        settings.update(fit.settings())
+        said = [f"steps Adam at a learning rate of {fit.peak:g} ({_schedule_words(fit)})"]
+        return settings, said, unsettled
+    peak = middle if flat else max(x for _, x in known)
+    peak = snap(peak, lr_tol * peak, (stated["LR"],) if "LR" in stated else ())  # (the spec's own rate, if alike)
     settings["LR"] = peak
-    sched = "constant"
-    if steps_total and len(known) >= 2 and not all(math.isclose(x, middle, rel_tol=lr_tol) for _, x in known):
-        if all(math.isclose(x, peak * (1 - t / steps_total), rel_tol=lr_tol) for t, x in known):
-            sched = "linear"
-        else:
-            unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") follows "
-                             "neither a constant nor a linear-to-0 schedule")
+    if steps_total and len(known) >= 2 and not flat:
+        unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") follows "
+                         "no schedule TRL names (lr_scheduler_type with its warmup and lr_scheduler_kwargs)")
     elif len(known) < 2:
         unsettled.append(f"the learning rate was read at {len(known)} step(s) only (the others had no gradient): its "
                          "schedule cannot be told")
-    settings["LR_SCHEDULE"] = sched
-    return settings, [f"steps Adam at a learning rate of {peak:g} ({sched})"], unsettled
+    settings["LR_SCHEDULE"] = "constant"
+    return settings, [f"steps Adam at a learning rate of {peak:g} (constant)"], unsettled
+
+
+def _schedule_words(fit) -> str:
+    """'linear', 'cosine_with_min_lr, warmup 2, min_lr_rate = 0.1'."""
+    from harness.diagnose.fields import toml_value
+
+    return ", ".join([fit.schedule] + ([f"warmup {fit.warmup}"] if fit.warmup else [])
+                     + [f"{k} = {toml_value(v)}" for k, v in fit.kwargs.items()])
 
 
 def _weight_decay(p: _Probed, b1, b2, eps, clip, wds: list) -> tuple[dict, list, list]:
@@ -298,14 +319,14 @@ def _clipping(clip: float, alike_clip: list, finite: list, spec) -> tuple[dict, 
 def _optimizer_settles(every_rate: bool, alike_b1, alike_b2, alike_eps, unsettled: list) -> tuple:
     """The fields the reading settles: the rate where every probed step read one and they follow a schedule
     (`every_rate`: every step read a rate, at least 2); a field with look-alikes, or left unsettled, is not."""
-    settles = ("LR", "LR_SCHEDULE") if every_rate else ()
+    settles = ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS") if every_rate else ()
     settles += () if len(alike_b1) > 1 else ("ADAM_BETA1",)
     settles += () if len(alike_b2) > 1 else ("ADAM_BETA2",)
     settles += () if len(alike_eps) > 1 else ("ADAM_EPS",)
     settles += () if any(u.startswith("weight decay") for u in unsettled) else ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL")
     settles += () if any("max_grad_norm" in u for u in unsettled) else ("MAX_GRAD_NORM",)
     if any(u.startswith("the learning rate per step") for u in unsettled):
-        settles = tuple(k for k in settles if k not in ("LR", "LR_SCHEDULE"))
+        settles = tuple(k for k in settles if k not in ("LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWARGS"))
     return settles
 
 
