@@ -83,8 +83,9 @@ def _passes(chosen: dict, sizes: list[int], per_round: int) -> int:
 
 def _whole_rounds(chosen: dict, passes: int, per_round: int, path: str) -> Finding:
     """Every step on one whole round, `passes` steps per round: TRL's num_iterations where that differs from the
-    spec's, and the order the loop's micro-batches took the rows where it is its own (the built-in loop replays it:
-    a guess the search keeps only if it moves the loss, as it does where a loss averages per micro-batch)."""
+    spec's, and the order the loop's micro-batches took the rows: its own (the built-in loop replays it), or, over
+    several passes, the rollout's (MICRO_BATCH_ORDER); each a guess the search keeps only if it moves the metrics
+    beyond rounding, as it does where a loss averages per micro-batch, or where rounding grows over a run)."""
     order = any(chosen[s] != [((s - 1) // passes, i) for i in range(len(chosen[s]))] for s in chosen)
     settings, said = {}, []
     if passes != per_round:
@@ -93,6 +94,9 @@ def _whole_rounds(chosen: dict, passes: int, per_round: int, path: str) -> Findi
                     f"{passes})")
     else:
         said.append("trains each step on one whole round, as TRL does")
+    if passes != per_round and not order:  # (a guess: with a loss per completion, the order moves only rounding)
+        settings["MICRO_BATCH_ORDER"] = "rollout"
+        said.append("its micro-batches cut from the round in the rollout's order")
     if order:
         said.append("its micro-batches cut from the round in an order of its own, which harness.loop.trained gives "
                     "(TRL shuffles the round first: the built-in loop replays your order with SELECTION)")
