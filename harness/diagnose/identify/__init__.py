@@ -138,6 +138,9 @@ def _old_logps(objective: list[Finding], cell) -> list[Finding]:
                                     "first step)", settings={**f.settings, "LOGP_OLD": "current"}, same_as_spec=False,
                                     settles=f.settles + ("LOGP_OLD",) if saved else f.settles)
         out.append(f)
+    if any(f.step in later and f.settings.get("LOGP_OLD") == "current" for f in out):  # a round's first step
+        # cannot tell: the ratio is 1 there with TRL's old log-probs too (its reading of TRL's objective is no other)
+        out = [f for f in out if not (f.exact and f.step not in later and f.same_as_spec and not f.settings)]
     return out
 
 
