@@ -83,6 +83,7 @@ def identify(cell) -> list[Finding]:
         found[read.__module__.rpartition(".")[2]] = read(cell, dict(found))  # (a stage's module is named for it)
     found["weighting"] = _divisors(found["weighting"])
     found["objective"] = _old_logps(found["objective"], cell)
+    found["weighting"] = _own_order(found["weighting"], found["selection"])
     return [best for stage in CHAIN if (best := pick(stage, found[stage])) is not None]
 
 
@@ -107,6 +108,20 @@ def _divisors(weighting: list[Finding]) -> list[Finding]:
             f"{f.rule}; but the divisor is not the same at every step read ({seen})")) if "LOSS_DIVISOR" in f.settings
             else f for f in weighting]
     return weighting
+
+
+def _own_order(weighting: list[Finding], selection: list[Finding]) -> list[Finding]:
+    """A loss averaged per micro-batch, read on your rows in the order harness.loop.trained gives (its micro-batches
+    cut in that order), where that order is your loop's own: the built-in loop replays it (the selection's SELECTION),
+    so the micro-batches are not the rollout's (no MICRO_BATCH_ORDER)."""
+    if not any(f.evidence.get("own_order") for f in selection):
+        return weighting
+    return [dataclasses.replace(f, rule=f.rule.replace("cut in the rollout's order (TRL's bnpo cuts a shuffled round)",
+                                                       "cut in the order your loop gives (harness.loop.trained; TRL's "
+                                                       "bnpo cuts a shuffled round)"),
+                                settings={k: v for k, v in f.settings.items() if k != "MICRO_BATCH_ORDER"},
+                                settles=tuple(k for k in f.settles if k != "MICRO_BATCH_ORDER"))
+            if "MICRO_BATCH_ORDER" in f.settings else f for f in weighting]
 
 
 def _old_logps(objective: list[Finding], cell) -> list[Finding]:
