@@ -83,7 +83,7 @@ def identify(cell) -> list[Finding]:
         found[read.__module__.rpartition(".")[2]] = read(cell, dict(found))  # (a stage's module is named for it)
     found["weighting"] = _divisors(found["weighting"])
     found["objective"] = _old_logps(found["objective"], cell)
-    found["weighting"] = _own_order(found["weighting"], found["selection"])
+    found["weighting"] = _last_loss(_own_order(found["weighting"], found["selection"]))
     return [best for stage in CHAIN if (best := pick(stage, found[stage])) is not None]
 
 
@@ -108,6 +108,17 @@ def _divisors(weighting: list[Finding]) -> list[Finding]:
             f"{f.rule}; but the divisor is not the same at every step read ({seen})")) if "LOSS_DIVISOR" in f.settings
             else f for f in weighting]
     return weighting
+
+
+def _last_loss(weighting: list[Finding]) -> list[Finding]:
+    """Where some step's loss is its last micro-batch's alone, the steps whose loss that micro-batch's also gives
+    (a first micro-batch whose losses sum to 0, or two alike) tell nothing against it: each says so, and the step
+    that tells is the reading said."""
+    if not any(f.evidence.get("logged_last_micro_batch") for f in weighting):
+        return weighting
+    return [dataclasses.replace(f, unsettled=f.unsettled + ("its last micro-batch's loss alone gives the same number "
+                                                            "at this step",))
+            if f.evidence.get("last_fits") else f for f in weighting]
 
 
 def _own_order(weighting: list[Finding], selection: list[Finding]) -> list[Finding]:

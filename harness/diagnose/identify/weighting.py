@@ -138,9 +138,10 @@ def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, sp
     weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings
     value = saved if weak else logged if logged is not None and not (abs(logged - saved) <= 1e-7 + 1e-4 * abs(saved)) \
         else None
-    if value is None:
-        return w
     spec_norm = "sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")
+    if value is None:  # the step's loss: does its last micro-batch's alone give the same number (nothing told)?
+        alike = last_micro_batch(t["per_token_loss"], t["mask"], lengths, saved, ga, spec.MAX_TOKENS, spec_norm, **tol)
+        return dataclasses.replace(w, evidence={**w.evidence, "last_fits": True}) if alike and w.exact else w
     hit = last_micro_batch(t["per_token_loss"], t["mask"], lengths, value, ga, spec.MAX_TOKENS, spec_norm, **tol)
     if hit is None:
         return w
@@ -158,8 +159,7 @@ def _of_kind(kind: str, spec, step) -> Finding:
     settings = {"LOSS_SUM": True} if kind == "sum" else {"LOSS_NORM": kind}
     settings = {k: v for k, v in settings.items() if not _same(getattr(spec, k, None), v)}
     return Finding("weighting", step, f"your loop {_NAMES[kind]}" + ("" if settings else ", as the spec's loss type "
-                   "does"), settings, True, same_as_spec=not settings, unsettled=(
-                   "read from its last micro-batch alone (the loss it saved is that micro-batch's)",), settles=())
+                   "does"), settings, True, same_as_spec=not settings, settles=())
 
 
 def read(cell, earlier: dict) -> list[Finding]:
