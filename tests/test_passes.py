@@ -81,6 +81,9 @@ def test_a_loss_that_is_the_last_micro_batchs_is_recognised():
     assert last_micro_batch(ptl, mask, lengths, 0.25, 2, 8) == ("constant", 1)
     assert last_micro_batch(ptl, mask, lengths, 1.5, 2, 8, prefer="sequence") is None  # the step's own loss
     assert last_micro_batch(ptl, mask, lengths, 1.0, 1, 8) is None  # one micro-batch: nothing to tell
+    flat_last = [ptl[0], ptl[1], [0.0, 0.0], [0.0, 0.0, 0.0]]  # every advantage 0 there: a loss of 0 is its
+    assert last_micro_batch(flat_last, mask, lengths, 0.0, 2, 8) == ("sequence", 1)
+    assert last_micro_batch(flat_last, mask, lengths, 0.5, 2, 8) is None
 
 
 def _explained(tmp_path, flags: str, *sets: str) -> dict:
@@ -134,8 +137,10 @@ def test_groups_left_in_a_queue_when_the_run_ends_do_not_hide_the_skip_rule(tmp_
 
 def test_a_loss_logged_for_the_last_micro_batch_is_said(tmp_path):
     """A loss over the step's tokens (TRL's dapo), each micro-batch's share logged as it goes, the last one's kept: the
-    loss type is read from that micro-batch, and what it logs is said (no divisor of its own)."""
-    found = _explained(tmp_path, "--loss-agg token --log-loss last")
+    loss type is read from that micro-batch, and what it logs is said (no divisor of its own). On the embedded
+    default's rounds the first steps cannot tell (a micro-batch of flat groups, two alike): the first that tells is
+    step 8, so every step's tensors are saved."""
+    found = _explained(tmp_path, "--loss-agg token --log-loss last", "loop.tensor_steps=12")
     weighting = _stage(found, "weighting")
     assert "last micro-batch's loss alone" in weighting["rule"], weighting
     assert "LOSS_DIVISOR" not in found["fix"]["scratch"] and found["fix"]["trl"] == {"loss_type": "dapo"}, found["fix"]

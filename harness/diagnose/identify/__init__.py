@@ -112,13 +112,11 @@ def _divisors(weighting: list[Finding]) -> list[Finding]:
 
 def _last_loss(weighting: list[Finding]) -> list[Finding]:
     """Where some step's loss is its last micro-batch's alone, the steps whose loss that micro-batch's also gives
-    (a first micro-batch whose losses sum to 0, or two alike) tell nothing against it: each says so, and the step
-    that tells is the reading said."""
+    (a first micro-batch whose losses sum to 0, or two alike; a last one all 0 and a loss of 0) tell nothing against
+    it: they are left out, and the steps that tell are read."""
     if not any(f.evidence.get("logged_last_micro_batch") for f in weighting):
         return weighting
-    return [dataclasses.replace(f, unsettled=f.unsettled + ("its last micro-batch's loss alone gives the same number "
-                                                            "at this step",))
-            if f.evidence.get("last_fits") else f for f in weighting]
+    return [f for f in weighting if not f.evidence.get("last_fits")]
 
 
 def _own_order(weighting: list[Finding], selection: list[Finding]) -> list[Finding]:

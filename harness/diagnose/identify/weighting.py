@@ -118,8 +118,8 @@ def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum
     counts = np.array([float(np.asarray(m[:k], dtype=np.float64).sum()) for m, k in zip(mask_rows, lengths)])
     last = slice(n - n // grad_accum, n)
     sl, cl = sums[last], counts[last]
-    if not np.any(np.abs(sl) > 1e-12):
-        return None
+    if not np.any(np.abs(sl) > 1e-12):  # (every advantage 0 there: any loss type gives 0)
+        return (prefer or "sequence", 1) if abs(float(loss)) <= atol else None
     values = {"sequence": float(np.mean(sl / np.maximum(cl, 1.0))), "token_local": float(sl.sum() / max(cl.sum(), 1.0)),
               "token_global": float(sl.sum() / max(counts.sum(), 1.0)), "constant": float(sl.sum() / max(n * max_tokens, 1)),
               "sum": float(sl.sum())}
@@ -141,6 +141,10 @@ def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, sp
     spec_norm = "sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")
     if value is None:  # the step's loss: does its last micro-batch's alone give the same number (nothing told)?
         alike = last_micro_batch(t["per_token_loss"], t["mask"], lengths, saved, ga, spec.MAX_TOKENS, spec_norm, **tol)
+        if alike and w.exact and w.evidence.get("logged_mean_of_micro_batches"):  # two readings of one number
+            return dataclasses.replace(w, unsettled=w.unsettled + (
+                "what it logs may be its last micro-batch's loss alone: that gives the same number at this step",),
+                settles=(), evidence={**w.evidence, "last_fits": True})
         return dataclasses.replace(w, evidence={**w.evidence, "last_fits": True}) if alike and w.exact else w
     hit = last_micro_batch(t["per_token_loss"], t["mask"], lengths, value, ga, spec.MAX_TOKENS, spec_norm, **tol)
     if hit is None:
