@@ -197,8 +197,12 @@ def in_rollout_order(mine: dict[int, dict], chosen: dict, sizes: list[int], per_
             out[step] = t
             continue
         if r >= len(sizes) or sorted(picks) != [(r, i) for i in range(sizes[r])]:
-            return mine, ("your loop trains on completions of its own choosing (harness.loop.trained): its steps are "
-                          "read stage by stage from its own tensors instead")
+            whole = picks and sorted(picks) == [(picks[0][0], i) for i in range(sizes[picks[0][0]])] \
+                if picks and picks[0][0] < len(sizes) else False
+            return mine, ("your loop trains on " + ("whole rounds at a pace of its own (several passes over each: "
+                                                    "harness.loop.trained)" if whole else "completions of its own "
+                                                    "choosing (harness.loop.trained)")
+                          + ": its steps are read stage by stage from its own tensors instead")
         out[step] = dict(t)
         for name in (*PER_ROW, *PER_TOKEN):
             value = t.get(name)
