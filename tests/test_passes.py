@@ -146,3 +146,22 @@ def test_a_loss_logged_for_the_last_micro_batch_is_said(tmp_path):
     assert "LOSS_DIVISOR" not in found["fix"]["scratch"] and found["fix"]["trl"] == {"loss_type": "dapo"}, found["fix"]
     assert "last micro-batch's loss alone" in found["evidence"], found["evidence"]
     assert found["status"] == "confirmed", found["evidence"]
+
+
+def test_the_advantages_of_a_round_in_an_order_of_its_own_are_read_in_its_groups():
+    """Two groups of four, rewards by hand, advantages (r - mean) / (Bessel's std + 0.01), the rows saved longest
+    first (the loop's order, trained()): the advantages stage reads them back in their groups and finds the epsilon."""
+    import types
+
+    import torch
+
+    rewards = [1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.25]
+    r = torch.tensor(rewards).view(2, 4)
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 0.01)).reshape(-1).tolist()
+    order = [5, 1, 7, 0, 2, 3, 6, 4]
+    spec = load_spec(DEFAULT_SPEC)
+    cell = types.SimpleNamespace(spec=spec, records=[{"completion_ids": [[1, 2]] * 8, "logprobs": None}],
+                                 trained={1: [(0, i) for i in order]},
+                                 tensors={1: {"rewards": [rewards[i] for i in order], "advantages": [adv[i] for i in order]}})
+    found = identify.STAGES[2](cell, {})
+    assert len(found) == 1 and found[0].exact and found[0].settings.get("STD_EPS") == 0.01, found
