@@ -119,6 +119,7 @@ def test_a_round_sorted_by_length_is_replayed_in_its_order_and_the_diff_reads_it
     found = _explained(tmp_path, "--sort-by-length --loss-agg micro-token --reward-weights 1,1")
     assert found["status"] == "confirmed", found["evidence"]
     assert "SELECTION" in found["fix"]["scratch"], found["fix"]
+    assert "MICRO_BATCH_ORDER" not in found["fix"]["scratch"], found["fix"]  # its order is not the rollout's
     assert found["fix"]["trl"].get("loss_type") == "bnpo" and found["fix"]["trl"].get("reward_weights") == [1.0, 1.0]
     assert "order of its own" in _stage(found, "selection")["rule"]
     diff = found.get("tensor_diff") or {}
