@@ -53,6 +53,9 @@ def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group:
     evidence = [k for k in skipped if k not in pending]
     rule = _rule(evidence, sorted(trained_groups), pending, used_rounds, sizes, group, rewards, truncated) \
         if evidence and rewards is not None else None
+    if rule == _FLAT:  # the pending groups the rule leaves out as well are skipped by it: said as such
+        flat = _flat(rewards, used_rounds, sizes, group)
+        evidence, pending = sorted(evidence + [k for k in pending if k in flat]), [k for k in pending if k not in flat]
     if evidence:
         words.append(f"and never trains on {len(evidence)} of the {sum(sizes[r] // group for r in used_rounds)} "
                      "groups of the rounds it reads: " + (rule if rule else "no rule on their rewards' spread, mean "
@@ -111,10 +114,7 @@ def _rule(skipped: list, kept: list, pending: list, used_rounds: list, sizes: li
           truncated) -> str | None:
     """The rule that fits the groups never trained (`skipped`) and none of those trained (`kept`), or None;
     `pending` groups (after the last one trained) may go either way."""
-    def spread_of(r, g):
-        x = [v for v in rewards[r][g * group:(g + 1) * group] if v == v]
-        return max(x) - min(x) if x else 0.0
-    flat = {(r, g) for r in used_rounds for g in range(sizes[r] // group) if spread_of(r, g) <= 1e-9} - set(pending)
+    flat = _flat(rewards, used_rounds, sizes, group) - set(pending)
     if set(skipped) == flat:
         return _FLAT
     if truncated is not None and all(all(truncated[r][g * group:(g + 1) * group]) for r, g in skipped) and \
@@ -129,6 +129,14 @@ def _rule(skipped: list, kept: list, pending: list, used_rounds: list, sizes: li
     if all(means[k] < hi for k in kept):
         return f"every group whose mean reward is at least {hi:g}"
     return None
+
+
+def _flat(rewards, rounds: list, sizes: list, group: int) -> set:
+    """The (round, group) pairs of `rounds` whose rewards are all equal (NaN left out)."""
+    def spread_of(r, g):
+        x = [v for v in rewards[r][g * group:(g + 1) * group] if v == v]
+        return max(x) - min(x) if x else 0.0
+    return {(r, g) for r in rounds for g in range(sizes[r] // group) if spread_of(r, g) <= 1e-9}
 
 
 def read(cell, earlier: dict) -> list[Finding]:
