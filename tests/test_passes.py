@@ -85,6 +85,11 @@ def test_a_loss_that_is_the_last_micro_batchs_is_recognised():
     flat_last = [ptl[0], ptl[1], [0.0, 0.0], [0.0, 0.0, 0.0]]  # every advantage 0 there: a loss of 0 is its
     assert last_micro_batch(flat_last, mask, lengths, 0.0, 2, 8) == ("sequence", 1)
     assert last_micro_batch(flat_last, mask, lengths, 0.5, 2, 8) is None
+    # a reading of what is logged needs a number that tells: not where the first micro-batch adds nothing
+    assert last_micro_batch(ptl, mask, lengths, 1.0, 2, 8, prefer="sequence", telling=True) == ("sequence", 2)
+    assert last_micro_batch(flat_last, mask, lengths, 0.0, 2, 8, telling=True) is None
+    first_flat = [[0.0, 0.0], [0.0, 0.0, 0.0], ptl[2], ptl[3]]
+    assert last_micro_batch(first_flat, mask, lengths, 1.0, 2, 8, prefer="sequence", telling=True) is None
 
 
 def _explained(tmp_path, flags: str, *sets: str) -> dict:

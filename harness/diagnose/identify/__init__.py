@@ -114,9 +114,10 @@ def _last_loss(weighting: list[Finding]) -> list[Finding]:
     """Where some step's loss is its last micro-batch's alone, the steps whose loss that micro-batch's also gives
     (a first micro-batch whose losses sum to 0, or two alike; a last one all 0 and a loss of 0) tell nothing against
     it: they are left out, and the steps that tell are read."""
-    if not any(f.evidence.get("logged_last_micro_batch") for f in weighting):
-        return weighting
-    return [f for f in weighting if not f.evidence.get("last_fits")]
+    if any(f.evidence.get("logged_last_micro_batch") for f in weighting):
+        weighting = [f for f in weighting if not f.evidence.get("last_fits")]
+    return [dataclasses.replace(f, evidence={k: v for k, v in f.evidence.items() if k != "last_fits"})
+            if "last_fits" in f.evidence else f for f in weighting]
 
 
 def _own_order(weighting: list[Finding], selection: list[Finding]) -> list[Finding]:

@@ -67,8 +67,8 @@ def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group:
         words.append(f"({len(partial)} group(s) trained only in part)")
     return Finding("selection", None, "your loop " + ", ".join(words[:1]) + (", " if len(words) > 1 else "")
                    + ", ".join(words[1:]), {"SELECTION": path} if path else {}, True,
-                   evidence={"steps": len(steps), "skipped_groups": len(evidence), "pending_groups": len(pending),
-                             "rule": rule}, settles=("SELECTION",))
+                   evidence={"steps": len(steps), "skipped_groups": len(evidence), "rule": rule,
+                             **({"pending_groups": len(pending)} if pending else {})}, settles=("SELECTION",))
 
 
 def _passes(chosen: dict, sizes: list[int], per_round: int) -> int:

@@ -105,11 +105,13 @@ def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int
 
 
 def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum: int, max_tokens: int,
-                     prefer: str | None = None, rtol: float = 1e-4, atol: float = 1e-7) -> tuple[str, int] | None:
+                     prefer: str | None = None, rtol: float = 1e-4, atol: float = 1e-7,
+                     telling: bool = False) -> tuple[str, int] | None:
     """(loss type, factor) under which `loss` is your last micro-batch's loss alone (the rows, in your order, cut into
     `grad_accum` equal micro-batches; its loss as it goes into backward, divided by `grad_accum` (factor), or as
     computed (1)), the loss type `prefer` first; None where no loss type gives it. A loop that logs `loss.item()` of
-    its last micro-batch logs that."""
+    its last micro-batch logs that. `telling`: only where the number tells it from the step's own (the other
+    micro-batches' losses do not sum to 0, nor the last one's, nor the loss)."""
     n = len(lengths)
     if grad_accum < 2 or not n or n % grad_accum or not math.isfinite(float(loss)):
         return None
@@ -118,8 +120,10 @@ def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum
     counts = np.array([float(np.asarray(m[:k], dtype=np.float64).sum()) for m, k in zip(mask_rows, lengths)])
     last = slice(n - n // grad_accum, n)
     sl, cl = sums[last], counts[last]
+    if telling and (not np.any(np.abs(sums[:last.start]) > 1e-12) or abs(float(loss)) <= 10 * atol):
+        return None  # the first micro-batches add nothing, or nothing is logged: no number tells the two apart
     if not np.any(np.abs(sl) > 1e-12):  # (every advantage 0 there: any loss type gives 0)
-        return (prefer or "sequence", 1) if abs(float(loss)) <= atol else None
+        return (prefer or "sequence", 1) if abs(float(loss)) <= atol and not telling else None
     values = {"sequence": float(np.mean(sl / np.maximum(cl, 1.0))), "token_local": float(sl.sum() / max(cl.sum(), 1.0)),
               "token_global": float(sl.sum() / max(counts.sum(), 1.0)), "constant": float(sl.sum() / max(n * max_tokens, 1)),
               "sum": float(sl.sum())}
@@ -131,9 +135,12 @@ def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum
     return None
 
 
-def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, spec, tol: dict) -> Finding:
+def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, spec, tol: dict, kl) -> Finding:
     """`w` read again where the loss your loop saved or logged is its last micro-batch's alone: the loss type that
-    gives that micro-batch's loss, and the words that say it (logged otherwise than trained, not a difference)."""
+    gives that micro-batch's loss, and the words that say it (logged otherwise than trained, not a difference). Not
+    read at a step with nothing to read, nor where the objective found a KL term (what is logged may leave it out)."""
+    if not w.readable or kl:
+        return w
     saved = _number(t["loss"])
     weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings
     value = saved if weak else logged if logged is not None and not (abs(logged - saved) <= 1e-7 + 1e-4 * abs(saved)) \
@@ -146,7 +153,8 @@ def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, sp
                 "what it logs may be its last micro-batch's loss alone: that gives the same number at this step",),
                 settles=(), evidence={**w.evidence, "last_fits": True})
         return dataclasses.replace(w, evidence={**w.evidence, "last_fits": True}) if alike and w.exact else w
-    hit = last_micro_batch(t["per_token_loss"], t["mask"], lengths, value, ga, spec.MAX_TOKENS, spec_norm, **tol)
+    hit = last_micro_batch(t["per_token_loss"], t["mask"], lengths, value, ga, spec.MAX_TOKENS, spec_norm, **tol,
+                           telling=True)
     if hit is None:
         return w
     kind, _ = hit
@@ -194,7 +202,7 @@ def read(cell, earlier: dict) -> list[Finding]:
                                         same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
                                                                                 "logged_without_kl": True})
         logged = cell.yours["loss"].get(s.step) if cell.yours is not None and "loss" in cell.yours.columns else None
-        w = _logged_last(w, t, None if logged is None else float(logged), s.lengths, ga, spec, tol)
+        w = _logged_last(w, t, None if logged is None else float(logged), s.lengths, ga, spec, tol, kl)
         per_micro_batch = w.exact and (w.settings.get("LOSS_NORM") == "token_local" or w.same_as_spec and
                                        getattr(spec, "LOSS_NORM", "") == "token_local")
         if ga != getattr(spec, "GRAD_ACCUM", 1) and per_micro_batch:  # your micro-batches, not the spec's count
