@@ -5,7 +5,8 @@ run it as a side of a parity run (docs/your-loop.md walks through them):
     python -m harness parity --spec harness/specs/default.toml --loop "python examples/my_grpo.py" --matrix none
 
 Its choices are flags, so you can see what the harness says when they differ from TRL's:
-    --loss-agg seq|token     mean per completion, then over completions (the GRPO paper), or over all tokens
+    --loss-agg seq|token|micro-token   mean per completion, then over completions (the GRPO paper), over all
+                             tokens, or over each micro-batch's own tokens, then over micro-batches (TRL's bnpo)
     --adv-scale std|none     divide the group-centred rewards by the group's std, or not (Dr. GRPO)
     --std bessel|population  the std estimator (TRL: Bessel's n-1)
     --std-eps E              added to the std before dividing (TRL: 1e-4)
@@ -32,6 +33,14 @@ Its choices are flags, so you can see what the harness says when they differ fro
     --skip-flat-groups       leave out the groups whose rewards are all equal (DAPO's dynamic sampling)
     --round-parts K          train on each round over K steps, its groups a part at a time, in order
     --rounds-per-step R      train each step on R rounds at once (set [loop] rounds = R x STEPS in the spec)
+    --queue                  each round's groups go through a queue, those whose rewards are all equal left out, and
+                             each step takes PROMPTS_PER_STEP groups from it (reading rounds as it runs short; set
+                             [loop] rounds): groups are still queued when the run ends
+    --passes K               K optimizer steps (passes) over each whole round, old log-probs from a no-grad pass at
+                             its first (TRL's num_iterations); --old-logps pass takes them again before each pass
+    --sort-by-length         sort each round by completion length, longest first, before cutting micro-batches
+  What it logs:
+    --log-loss last          log (and save) the last micro-batch's loss as the step's, not their sum
 The spec's NUM_ITERATIONS > 1 takes that many optimizer steps over each round, logp_old from a no-grad pass.
 Left unset, each follows the harness's spec, which is TRL's setting: the example then matches TRL.
 """
@@ -47,7 +56,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from harness import loop as parity  # parity: the contract's helpers (standard library only)
 
 p = argparse.ArgumentParser()
-p.add_argument("--loss-agg", choices=("seq", "token"), default="seq")
+p.add_argument("--loss-agg", choices=("seq", "token", "micro-token"), default="seq")
 p.add_argument("--adv-scale", choices=("std", "none"), default="std")
 p.add_argument("--std", choices=("bessel", "population"), default="bessel")
 p.add_argument("--std-eps", type=float, default=1e-4)
@@ -69,6 +78,11 @@ p.add_argument("--is-correction", choices=("off", "token_truncate", "token_mask"
 p.add_argument("--skip-flat-groups", action="store_true")
 p.add_argument("--round-parts", type=int, default=1)
 p.add_argument("--rounds-per-step", type=int, default=1)
+p.add_argument("--queue", action="store_true")
+p.add_argument("--passes", type=int)
+p.add_argument("--old-logps", choices=("generation", "pass"), default="generation")
+p.add_argument("--sort-by-length", action="store_true")
+p.add_argument("--log-loss", choices=("step", "last"), default="step")
 p.add_argument("--no-tensors", action="store_true", help="do not save the first steps' tensors for the tensor diff")
 p.add_argument("--no-probe", action="store_true", help="save the tensors, but no slice of the weights (the optimizer)")
 p.add_argument("--model", default="./models/Qwen3-0.6B", help="used when the harness does not give PARITY_INIT")
@@ -89,16 +103,20 @@ MAX_GRAD_NORM = args.max_grad_norm if args.max_grad_norm is not None else cfg.ge
 LINEAR_LR = (args.lr_schedule or cfg.get("LR_SCHEDULE", "constant")) == "linear"
 BETA = args.beta if args.beta is not None else cfg.get("BETA", 0.0)
 KL_RATIO = (args.kl_ratio or ("yes" if cfg.get("KL_IS_CORRECTION", True) else "no")) == "yes"
-MU = cfg.get("NUM_ITERATIONS", 1)  # optimizer steps (passes) over each generation round: GRPO's mu
+MU = args.passes or cfg.get("NUM_ITERATIONS", 1)  # optimizer steps (passes) over each generation round: GRPO's mu
 IS_MODE = args.is_correction or (cfg.get("IS_MODE", "sequence_mask") if cfg.get("IS_CORRECTION") else "off")
 IS_MODE = None if IS_MODE == "off" else IS_MODE
 IS_LO, IS_HI = cfg.get("IS_CLIP_MIN", 0.0) or None, cfg.get("IS_CLIP_MAX", 3.0)
 if cfg.get("STEPS_PER_GENERATION", 1) != 1:
     raise SystemExit("this example trains every optimizer step on a whole generation round: STEPS_PER_GENERATION "
                      "must be 1")
-SELECT = args.skip_flat_groups or args.round_parts > 1 or args.rounds_per_step > 1
+SELECT = args.skip_flat_groups or args.round_parts > 1 or args.rounds_per_step > 1 or args.queue
+NAMED = bool(args.passes or args.sort_by_length)  # whole rounds, but not one per step in the rollout's order
 if SELECT and MU > 1:
-    raise SystemExit("--skip-flat-groups, --round-parts and --rounds-per-step train one pass: NUM_ITERATIONS must be 1")
+    raise SystemExit("--skip-flat-groups, --round-parts, --rounds-per-step and --queue train one pass: NUM_ITERATIONS "
+                     "must be 1")
+if SELECT and args.sort_by_length:
+    raise SystemExit("--sort-by-length sorts whole rounds: not with a selection flag")
 IS_FROM = "--is-correction" if args.is_correction else "the spec's IS_CORRECTION"
 if IS_MODE and SELECT:
     raise SystemExit(f"an importance-sampling correction ({IS_FROM}) with a selection of completions: this example "
@@ -236,7 +254,17 @@ def picks_of(step):
         r, part = divmod(step, args.round_parts)
         width = PROMPTS * G // args.round_parts
         return [(r, i) for i in range(part * width, (part + 1) * width)]
+    if args.queue:  # the queue's first PROMPTS groups, a round read (its flat groups left out) whenever it runs short
+        while len(queue) < PROMPTS:
+            q = len(taken)  # (the rounds are read in order)
+            queue.extend((q, g) for g in range(PROMPTS) if take(q, step)[1].view(-1, G)[g].std() > 0)
+        out = [(q, g * G + j) for q, g in queue[:PROMPTS] for j in range(G)]
+        del queue[:PROMPTS]
+        return out
     return [(step, i) for i in range(PROMPTS * G)]
+
+
+queue = []  # --queue: (round, group) pairs waiting for a step
 
 
 sampler_logp = None  # a separate sampler's log-probs of the round's tokens (lockstep rollouts carry them)
@@ -249,6 +277,12 @@ for step in range(STEPS):
         batch = given or sample_round(r)
         model.train()
         rewards, adv = scored(batch)
+        order = list(range(len(adv)))  # the order its micro-batches take the round's rows
+        if args.sort_by_length:  # longest first (fewer pad tokens per micro-batch)
+            order = sorted(order, key=lambda i: -len(batch["completion_ids"][i]))
+            batch = {**batch, **{k: [batch[k][i] for i in order] for k in ("prompt_ids", "completion_ids", "logprobs")
+                                 if batch.get(k)}}
+            rewards, adv = rewards[order], adv[order]
         # our own samples come from the policy itself: no weight
         sampler_logp = None
         if IS_MODE and given:
@@ -269,6 +303,8 @@ for step in range(STEPS):
         fresh = torch.tensor([t[4] == step for t, _ in rows])  # read this step: its old policy is the current one
         width = max(map(len, batch["completion_ids"]))
         kept_old = torch.stack([torch.nn.functional.pad(t[3][i], (0, width - len(t[3][i]))) for t, i in rows])
+    if NAMED and not SELECT:
+        parity.trained(step + 1, [(r, i) for i in order])  # parity: its rows, in the order its micro-batches take them
     adv = adv.to(DEVICE)
 
     # ---- 3. the clipped surrogate over ACCUM micro-batches, one optimizer step -------------------------------
@@ -294,7 +330,8 @@ for step in range(STEPS):
         micro = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
     inputs = [(torch.cat([prompt_ids[mb], completion_ids[mb]], dim=1),
                torch.cat([prompt_mask[mb], completion_mask[mb]], dim=1)) for mb in micro]
-    if it == 0 and MU > 1:  # several passes: the old policy is the one that generated, from a no-grad pass
+    if MU > 1 and (it == 0 or args.old_logps == "pass"):  # several passes: the old policy is the one that generated,
+        # from a no-grad pass (--old-logps pass: the current policy, before each pass: the ratio always 1)
         with torch.no_grad():
             old_logps = [token_logp(model, ids, attention, completion_ids[mb], P)
                          for mb, (ids, attention) in zip(micro, inputs)]
@@ -329,10 +366,14 @@ for step in range(STEPS):
             loss = (per_token * mask).sum() / args.loss_divisor
         elif args.loss_agg == "seq":
             loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / ACCUM
+        elif args.loss_agg == "micro-token":
+            loss = (per_token * mask).sum() / mask.sum().clamp(min=1) / ACCUM
         else:
             loss = (per_token * mask).sum() / all_tokens
         loss.backward()
         step_loss += loss.item()
+    if args.log_loss == "last":  # what it logs is its last micro-batch's loss alone
+        step_loss = loss.item()
     if not (args.no_tensors or args.no_probe):
         probe.before(step + 1)  # parity: the gradient before clipping, and the weights
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM if MAX_GRAD_NORM > 0 else math.inf)

@@ -202,9 +202,11 @@ def _values(p, idx: list[int]) -> list[float]:
 def trained(step: int, rows) -> None:
     """The completions optimizer step `step` trained on, as (round, index) pairs: `round` as in rollout(round), `index`
     the completion's place in that round (prompts repeated GROUP_SIZE times in a row), in the order your micro-batches
-    took them. Needed only where a step does not train on exactly one whole round (part of a round, several rounds,
-    groups skipped, a replay buffer): the harness's built-in loop then replays the same selection, and the tensors you
-    save for that step (`tensors`) are read in this order, one row per pair. A no-op outside the harness."""
+    took them. Needed only where a step does not train on exactly one whole round in the rollout's order (part of a
+    round, several rounds, groups skipped or queued, a replay buffer, several passes over each round, or a whole round
+    in an order of your own, sorted by length, say): the harness's built-in loop then replays the same selection in
+    the same order, and the tensors you save for that step (`tensors`) are read in this order, one row per pair.
+    A no-op outside the harness."""
     path = os.environ.get("PARITY_TRAINED")
     if not path:
         return

@@ -159,6 +159,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         return [_suspected(entry, answer, evidence, search, state, at, t0, log)]
     # every step agrees on what training computes: the whole comparison, as the cell was judged
     confirmation = _confirm(spec, data, search, state, answer, value_only, root)
+    _logged_why(confirmation.final, start.findings)
     evidence = confirmed_words(answer.trl, answer.quirks, at[0], confirmation.final, confirmation.by_trl,
                                escalated_from, spec_dtype)
     return [_confirmed(entry, answer, evidence, confirmation, search, state, at, t0, log)]
@@ -498,12 +499,12 @@ def _tensor_diff(spec, search: "Search", start: dict, data, log) -> dict | None:
     if not mine or spec.loop.tensor_steps < 1:
         return None
     per_round = spec.NUM_ITERATIONS * spec.STEPS_PER_GENERATION
-    problem = rows_problem(mine, records, per_round)
-    chosen = data.trained
-    sizes = [len(rec["completion_ids"]) for rec in records]
-    if chosen and not identify.selection(chosen, sizes, spec.GROUP_SIZE, per_round).same_as_spec:
-        problem = ("your loop trains on completions of its own choosing (harness.loop.trained): its steps are read "
-                   "stage by stage from its own tensors instead")
+    from harness.diagnose.tensordiff import in_rollout_order
+
+    # whole rounds in an order of your loop's own (harness.loop.trained): your rows, put back in the rollout's order
+    mine, problem = in_rollout_order(mine, data.trained or {}, [len(rec["completion_ids"]) for rec in records],
+                                     per_round)
+    problem = problem or rows_problem(mine, records, per_round)
     if problem:
         log(f"    (the tensor diff is skipped: {problem})")
         return {"first": None, "chain": [], "skipped": problem}
@@ -611,6 +612,17 @@ def _trl_check(spec, trl: dict, data, folder: Path, value_only: int | None = Non
     train_trl(candidate, folder / "trl", rollout_source=ReplaySource(list(data.records)), progress=False,
               lockstep=True)
     return _loss_in_value_only(_against(candidate, data, folder / "trl"), value_only)["first_divergence"] is None
+
+
+def _logged_why(final: dict, findings) -> None:
+    """Where your loss differs in value alone and your tensors say what your loop logs as its loss (its last
+    micro-batch's, read by the weighting stage), that is said as the reason."""
+    why = next((f.evidence["logged_words"] for f in findings if f.stage == "weighting"
+                and f.evidence.get("logged_last_micro_batch")), None)
+    if why and final.get("loss_in_value_only"):
+        final["loss_in_value_only"]["why"] = why
+        final["notes"] = [n for n in final.get("notes", []) if not n.startswith("your loss differs in value alone")] \
+            + ["your loss differs in value alone: " + loss_in_value_words(final)]
 
 
 def _against(spec, data, run: Path) -> dict:

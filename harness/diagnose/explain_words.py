@@ -67,6 +67,10 @@ def write_table(path: Path, trl: dict, quirks: dict, cell: str, runs: int, statu
 def loss_in_value_words(result: dict) -> str:
     """'your logged loss is defined otherwise in value (...), while grad_norm and the final weights agree ...'."""
     v = result["loss_in_value_only"]
+    if v.get("why"):  # read from your tensors: what your logged loss is
+        return (f"your logged loss is defined otherwise in value (outside tolerance from step {v['from_step']}): "
+                f"{v['why']}, while {' and '.join(_TRAINS.get(m, m) for m in v['agrees'])} agree at every compared "
+                "step")
     return (f"your logged loss is defined otherwise in value (outside tolerance from step {v['from_step']}), while "
             f"{' and '.join(_TRAINS.get(m, m) for m in v['agrees'])} agree at every compared step: a loss whose "
             "gradient agrees with TRL's within tolerance and whose value does not (-logp * A, say, where TRL's is "

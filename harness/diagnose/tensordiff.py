@@ -183,6 +183,37 @@ def _old_is_current(a: dict, lengths, spec, atol: float, rtol: float) -> bool:
     return _where(_rows(a["old_logps"], lengths), _rows(a["logps"], lengths), spec.GROUP_SIZE, atol, rtol) is None
 
 
+def in_rollout_order(mine: dict[int, dict], chosen: dict, sizes: list[int], per_round: int) -> tuple[dict, str | None]:
+    """Your saved tensors with the rows of each step named in `chosen` (harness.loop.trained: the rows in the order
+    your micro-batches took them, as your tensors hold them) put back in the rollout's order, where that step trained
+    on its whole round (s - 1) // per_round in an order of its own: (tensors, None). (mine, why not) where a step
+    trained on other rows (part of a round, several rounds, groups skipped): the diff compares whole rounds."""
+    from harness.runlog.tensors import PER_ROW, PER_TOKEN
+
+    out = {}
+    for step, t in mine.items():
+        picks, r = chosen.get(step), (step - 1) // max(per_round, 1)
+        if picks is None:
+            out[step] = t
+            continue
+        if r >= len(sizes) or sorted(picks) != [(r, i) for i in range(sizes[r])]:
+            whole = picks and sorted(picks) == [(picks[0][0], i) for i in range(sizes[picks[0][0]])] \
+                if picks and picks[0][0] < len(sizes) else False
+            return mine, ("your loop trains on " + ("whole rounds at a pace of its own (several passes over each: "
+                                                    "harness.loop.trained)" if whole else "completions of its own "
+                                                    "choosing (harness.loop.trained)")
+                          + ": its steps are read stage by stage from its own tensors instead")
+        out[step] = dict(t)
+        for name in (*PER_ROW, *PER_TOKEN):
+            value = t.get(name)
+            if isinstance(value, list) and len(value) == len(picks):
+                back = [None] * len(picks)
+                for row, (_, i) in zip(value, picks):
+                    back[i] = row
+                out[step][name] = back
+    return out, None
+
+
 def chain_facts(spec, records: list[dict], scores_by_round: list[dict] | None = None) -> dict:
     """What the diff needs besides the tensors, from the lockstep rollouts both sides trained on: each step's
     completion lengths and whether each ends with an eos, the eos ids, whether a prompt holds an eos, the

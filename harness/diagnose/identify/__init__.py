@@ -83,6 +83,7 @@ def identify(cell) -> list[Finding]:
         found[read.__module__.rpartition(".")[2]] = read(cell, dict(found))  # (a stage's module is named for it)
     found["weighting"] = _divisors(found["weighting"])
     found["objective"] = _old_logps(found["objective"], cell)
+    found["weighting"] = _last_loss(_own_order(found["weighting"], found["selection"]))
     return [best for stage in CHAIN if (best := pick(stage, found[stage])) is not None]
 
 
@@ -109,21 +110,82 @@ def _divisors(weighting: list[Finding]) -> list[Finding]:
     return weighting
 
 
+def _last_loss(weighting: list[Finding]) -> list[Finding]:
+    """Where some step's loss is its last micro-batch's alone, the steps whose loss that micro-batch's also gives
+    (a first micro-batch whose losses sum to 0, or two alike; a last one all 0 and a loss of 0) tell nothing against
+    it: they are left out, and the steps that tell are read."""
+    if any(f.evidence.get("logged_last_micro_batch") for f in weighting):
+        weighting = [f for f in weighting if not f.evidence.get("last_fits")]
+    return [dataclasses.replace(f, evidence={k: v for k, v in f.evidence.items() if k != "last_fits"})
+            if "last_fits" in f.evidence else f for f in weighting]
+
+
+def _own_order(weighting: list[Finding], selection: list[Finding]) -> list[Finding]:
+    """A loss averaged per micro-batch, read on your rows in the order harness.loop.trained gives (its micro-batches
+    cut in that order), where that order is your loop's own: the built-in loop replays it (the selection's SELECTION),
+    so the micro-batches are not the rollout's (no MICRO_BATCH_ORDER)."""
+    if not any(f.evidence.get("own_order") for f in selection):
+        return weighting
+    return [dataclasses.replace(f, rule=f.rule.replace("cut in the rollout's order (TRL's bnpo cuts a shuffled round)",
+                                                       "cut in the order your loop gives (harness.loop.trained; TRL's "
+                                                       "bnpo cuts a shuffled round)"),
+                                settings={k: v for k, v in f.settings.items() if k != "MICRO_BATCH_ORDER"},
+                                settles=tuple(k for k in f.settles if k != "MICRO_BATCH_ORDER"))
+            if "MICRO_BATCH_ORDER" in f.settings else f for f in weighting]
+
+
 def _old_logps(objective: list[Finding], cell) -> list[Finding]:
-    """A -logp A objective (no ratio) over a round your loop trained at several steps (its selection): each step
-    is trained on the current policy, which the built-in loop does with LOGP_OLD "current"."""
+    """A round your loop trained at several steps (its selection: parts of a round, or several passes over it, TRL's
+    num_iterations), trained on the current policy at each step, which the built-in loop does with LOGP_OLD
+    "current" (TRL keeps the round's generation-time log-probs as the old ones: its ratio leaves 1 after the round's
+    first step): a -logp A objective (no ratio), or at a later step over a round its old log-probs equal to its
+    current ones (taken again before each pass; saved, or, without them, its per-token loss read at a ratio of 1)."""
     steps_of_round: dict[int, set] = {}
     for s, rows in (cell.trained or {}).items():
         for r, _ in rows:
             steps_of_round.setdefault(r, set()).add(s)
-    spread = any(len(steps) > 1 for steps in steps_of_round.values())  # some round trained over several steps
-    if not spread or getattr(cell.spec, "LOGP_OLD", "auto") == "current":
+    later = {s for ss in steps_of_round.values() for s in ss if s > min(ss)}  # a round trained at an earlier step
+    if not later or getattr(cell.spec, "LOGP_OLD", "auto") == "current":
         return objective
-    return [dataclasses.replace(f, rule=f"{f.rule}; its policy term has no ratio, so a round trained over several "
-                                "steps is trained on the current policy at each (TRL keeps the round's generation-time "
-                                "log-probs as the old ones)", settings={**f.settings, "LOGP_OLD": "current"},
-                                same_as_spec=False)
-            if f.exact and f.evidence.get("form") == "logp" else f for f in objective]
+    out = []
+    for f in objective:
+        if f.exact and f.evidence.get("form") == "logp":
+            f = dataclasses.replace(f, rule=f"{f.rule}; its policy term has no ratio, so a round trained over several "
+                                    "steps is trained on the current policy at each (TRL keeps the round's "
+                                    "generation-time log-probs as the old ones)", settings={**f.settings, "LOGP_OLD":
+                                                                                            "current"}, same_as_spec=False)
+        elif f.exact and f.step in later and (saved := _old_is_current(cell, f.step)) is not None:
+            f = dataclasses.replace(f, rule=f"{f.rule}; at step {f.step}, over a round it trained at an earlier step, "
+                                    "its old log-probs are its current ones (" + ("saved" if saved else "its per-token "
+                                                                                  "loss read at a ratio of 1")
+                                    + "): taken again before each pass, the ratio is 1 at every step (TRL keeps the "
+                                    "round's generation-time log-probs, and its ratio leaves 1 after the round's "
+                                    "first step)", settings={**f.settings, "LOGP_OLD": "current"}, same_as_spec=False,
+                                    settles=f.settles + ("LOGP_OLD",) if saved else f.settles)
+        out.append(f)
+    if any(f.step in later and f.settings.get("LOGP_OLD") == "current" for f in out):  # a round's first step
+        # cannot tell: the ratio is 1 there with TRL's old log-probs too (its reading of TRL's objective is no other)
+        out = [f for f in out if not (f.exact and f.step not in later and f.same_as_spec and not f.settings)]
+    return out
+
+
+def _old_is_current(cell, step: int) -> bool | None:
+    """At `step`: True where your saved old log-probs equal your log-probs on every counted token, False where none
+    were saved and the objective was read with the ratio taken as 1 (your per-token loss is the ratio-1 one), None
+    where they differ."""
+    from harness.diagnose.identify.steps import steps
+
+    at = next((s for s in steps(cell) if s.step == step), None)
+    if at is None:
+        return None
+    old, lp = at.tensors.get("old_logps"), at.tensors.get("logps")
+    if old is None:
+        return False
+    if not isinstance(lp, list) or not isinstance(old, list) or len(old) != len(lp):
+        return None
+    same = all(abs(float(a) - float(b)) <= 1e-5 + 1e-5 * abs(float(b)) for ra, rb, n in zip(old, lp, at.lengths)
+               for a, b in zip(ra[:n], rb[:n]))
+    return True if same else None
 
 
 def pick(stage: str, cands: list[Finding]) -> Finding | None:

@@ -285,6 +285,19 @@ def _std_fit(scales: dict, rewards: dict) -> dict | None:
 
 
 def read(cell, earlier: dict) -> list[Finding]:
-    """Your advantages at every step that saved them with its rewards, its rows whole groups."""
-    return [advantages(s.tensors["rewards"], s.tensors["advantages"], cell.spec.GROUP_SIZE, cell.spec, step=s.step)
-            for s in steps(cell) if "rewards" in s.tensors and "advantages" in s.tensors and s.whole]
+    """Your advantages at every step that saved them with its rewards, its rows whole groups (in any order: a round
+    your loop sorted, say, is read back in its groups' order)."""
+    g, out = cell.spec.GROUP_SIZE, []
+    for s in steps(cell):
+        if "rewards" not in s.tensors or "advantages" not in s.tensors:
+            continue
+        order = list(range(len(s.rows))) if s.whole else sorted(range(len(s.rows)), key=lambda k: s.rows[k])
+        rows = [s.rows[k] for k in order]
+        if len(rows) % g or any(rows[k] != (rows[k - k % g][0], rows[k - k % g][1] + k % g) or rows[k - k % g][1] % g
+                                for k in range(len(rows))):
+            continue  # not whole groups
+        rewards, adv = s.tensors["rewards"], s.tensors["advantages"]
+        if len(rewards) != len(order) or len(adv) != len(order):
+            continue
+        out.append(advantages([rewards[k] for k in order], [adv[k] for k in order], g, cell.spec, step=s.step))
+    return out

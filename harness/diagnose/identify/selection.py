@@ -7,24 +7,26 @@ import numpy as np
 
 from harness.diagnose.identify.finding import Finding
 
+_FLAT = "every group whose rewards are all equal (advantage 0 for each of its completions; DAPO's dynamic sampling " \
+        "filters them)"
+
 
 def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group: int, per_round: int,
               rewards: list[list[float]] | None = None, lengths: list[list[int]] | None = None,
               truncated: list[list[bool]] | None = None, path: str = "") -> Finding:
     """Which completions each optimizer step of your loop trained on (harness.loop.trained), against TRL's (step s:
     the whole round (s - 1) // per_round): how many per step, from how many rounds, each round over how many steps,
-    completions trained more than once, and the groups never trained with a rule that fits them (every group whose
-    rewards are all equal: DAPO's dynamic sampling; every group of truncated completions; the groups of the
-    lowest or highest mean reward) or none. `sizes`: each round's completions; `rewards`, `lengths`, `truncated`:
-    per round, per completion."""
+    each whole round trained in several passes (TRL's num_iterations), in an order of its own (the built-in loop
+    replays it: micro-batches cut in that order), completions trained more than once, and the groups never trained
+    with a rule that fits them (every group whose rewards are all equal: DAPO's dynamic sampling; every group of
+    truncated completions; the groups of the lowest or highest mean reward) or none. Groups after the last one
+    trained (a queue's pending groups when the run ended) are no evidence for or against a rule. `sizes`: each
+    round's completions; `rewards`, `lengths`, `truncated`: per round, per completion."""
     steps = sorted(chosen)
-    default = {s: [((s - 1) // per_round, i) for i in range(sizes[(s - 1) // per_round])] for s in steps
-               if (s - 1) // per_round < len(sizes)}
-    if all(sorted(chosen[s]) == default.get(s) for s in steps):
-        order = any(chosen[s] != default.get(s) for s in steps)
-        return Finding("selection", None, "your loop trains each step on one whole round, as TRL does" + (
-            " (in an order of its own)" if order else ""), {}, True, same_as_spec=True)
-    words, unsettled = [], []
+    passes = _passes(chosen, sizes, per_round)
+    if passes:
+        return _whole_rounds(chosen, passes, per_round, path)
+    words = []
     counts = [len(chosen[s]) for s in steps]
     per_step = f"{counts[0]}" if len(set(counts)) == 1 else f"{min(counts)} to {max(counts)}"
     rounds_per = [len({r for r, _ in chosen[s]}) for s in steps]
@@ -44,41 +46,97 @@ def selection(chosen: dict[int, list[tuple[int, int]]], sizes: list[int], group:
     again = sum(1 for v in seen.values() if v > 1)
     if again:
         words.append(f"trains {again} completion(s) more than once (a replay buffer, or several passes)")
-    skipped = sorted({(r, i // group) for r in used_rounds for i in range(sizes[r])} - {(r, i // group) for r, i in seen})
-    partial = [(r, g) for r, g in {(r, i // group) for r, i in seen} if any((r, g * group + j) not in seen
-                                                                            for j in range(group))]
-    rule = None
-    if skipped and rewards is not None:
-        def spread_of(r, g):
-            x = [v for v in rewards[r][g * group:(g + 1) * group] if v == v]
-            return max(x) - min(x) if x else 0.0
-        kept = sorted({(r, i // group) for r, i in seen})
-        flat = {(r, g) for r in used_rounds for g in range(sizes[r] // group) if spread_of(r, g) <= 1e-9}
-        if set(skipped) == flat:
-            rule = "every group whose rewards are all equal (advantage 0 for each of its completions; DAPO's dynamic " \
-                   "sampling filters them)"
-        elif truncated is not None and all(all(truncated[r][g * group:(g + 1) * group]) for r, g in skipped) and \
-                not any(all(truncated[r][g * group:(g + 1) * group]) for r, g in kept):
-            rule = "every group whose completions are all truncated"
-        else:
-            means = {(r, g): float(np.nanmean(rewards[r][g * group:(g + 1) * group]))
-                     for r in used_rounds for g in range(sizes[r] // group)}
-            lo = max(means[k] for k in skipped)
-            hi = min(means[k] for k in skipped)
-            if all(means[k] > lo for k in kept):
-                rule = f"every group whose mean reward is at most {lo:g}"
-            elif all(means[k] < hi for k in kept):
-                rule = f"every group whose mean reward is at least {hi:g}"
-    if skipped:
-        words.append(f"and never trains on {len(skipped)} of the {sum(sizes[r] // group for r in used_rounds)} "
+    trained_groups = {(r, i // group) for r, i in seen}
+    skipped = sorted({(r, i // group) for r in used_rounds for i in range(sizes[r])} - trained_groups)
+    partial = [(r, g) for r, g in trained_groups if any((r, g * group + j) not in seen for j in range(group))]
+    pending = [k for k in skipped if k > max(trained_groups)]  # after the last group trained: still queued, maybe
+    evidence = [k for k in skipped if k not in pending]
+    rule = _rule(evidence, sorted(trained_groups), pending, used_rounds, sizes, group, rewards, truncated) \
+        if evidence and rewards is not None else None
+    if rule == _FLAT:  # the pending groups the rule leaves out as well are skipped by it: said as such
+        flat = _flat(rewards, used_rounds, sizes, group)
+        evidence, pending = sorted(evidence + [k for k in pending if k in flat]), [k for k in pending if k not in flat]
+    if evidence:
+        words.append(f"and never trains on {len(evidence)} of the {sum(sizes[r] // group for r in used_rounds)} "
                      "groups of the rounds it reads: " + (rule if rule else "no rule on their rewards' spread, mean "
                                                           "reward or truncation fits them"))
+    if pending:
+        words.append(f"({len(pending)} group(s) after the last one it trained were not trained when the run ended: "
+                     "still queued, or skipped, this run cannot tell, so they count for no rule)")
     if partial:
         words.append(f"({len(partial)} group(s) trained only in part)")
     return Finding("selection", None, "your loop " + ", ".join(words[:1]) + (", " if len(words) > 1 else "")
-                   + ", ".join(words[1:]), {"SELECTION": path} if path else {}, True, unsettled=tuple(unsettled),
-                   evidence={"steps": len(steps), "skipped_groups": len(skipped), "rule": rule},
-                   settles=("SELECTION",))
+                   + ", ".join(words[1:]), {"SELECTION": path} if path else {}, True,
+                   evidence={"steps": len(steps), "skipped_groups": len(evidence), "rule": rule,
+                             **({"pending_groups": len(pending)} if pending else {})}, settles=("SELECTION",))
+
+
+def _passes(chosen: dict, sizes: list[int], per_round: int) -> int:
+    """K where step s trains on the whole round (s - 1) // K, each step on all of it (in any order), the spec's K
+    first; 0 otherwise."""
+    steps = sorted(chosen)
+    if not steps or steps != list(range(1, len(steps) + 1)):
+        return 0
+    for k in dict.fromkeys([per_round, *range(1, len(steps) + 1)]):
+        if all((s - 1) // k < len(sizes) and sorted(chosen[s]) == [((s - 1) // k, i) for i in range(sizes[(s - 1) // k])]
+               for s in steps):
+            return k
+    return 0
+
+
+def _whole_rounds(chosen: dict, passes: int, per_round: int, path: str) -> Finding:
+    """Every step on one whole round, `passes` steps per round: TRL's num_iterations where that differs from the
+    spec's, and the order the loop's micro-batches took the rows: its own (the built-in loop replays it), or, over
+    several passes, the rollout's (MICRO_BATCH_ORDER); each a guess the search keeps only if it moves the metrics
+    beyond rounding, as it does where a loss averages per micro-batch, or where rounding grows over a run)."""
+    order = any(chosen[s] != [((s - 1) // passes, i) for i in range(len(chosen[s]))] for s in chosen)
+    settings, said = {}, []
+    if passes != per_round:
+        settings["NUM_ITERATIONS"] = passes
+        said.append(f"trains each round in {passes} optimizer passes, one whole round per step (TRL: num_iterations = "
+                    f"{passes})")
+    else:
+        said.append("trains each step on one whole round, as TRL does")
+    if passes != per_round and not order:  # (a guess: with a loss per completion, the order moves only rounding)
+        settings["MICRO_BATCH_ORDER"] = "rollout"
+        said.append("its micro-batches cut from the round in the rollout's order")
+    if order:
+        said.append("its micro-batches cut from the round in an order of its own, which harness.loop.trained gives "
+                    "(TRL shuffles the round first: the built-in loop replays your order with SELECTION)")
+        if path:
+            settings["SELECTION"] = path
+    return Finding("selection", None, "your loop " + ", ".join(said), settings, True, same_as_spec=not settings,
+                   evidence={"passes": passes, "own_order": order}, settles=("NUM_ITERATIONS",) if "NUM_ITERATIONS"
+                   in settings else ())
+
+
+def _rule(skipped: list, kept: list, pending: list, used_rounds: list, sizes: list, group: int, rewards,
+          truncated) -> str | None:
+    """The rule that fits the groups never trained (`skipped`) and none of those trained (`kept`), or None;
+    `pending` groups (after the last one trained) may go either way."""
+    flat = _flat(rewards, used_rounds, sizes, group) - set(pending)
+    if set(skipped) == flat:
+        return _FLAT
+    if truncated is not None and all(all(truncated[r][g * group:(g + 1) * group]) for r, g in skipped) and \
+            not any(all(truncated[r][g * group:(g + 1) * group]) for r, g in kept):
+        return "every group whose completions are all truncated"
+    means = {(r, g): float(np.nanmean(rewards[r][g * group:(g + 1) * group]))
+             for r in used_rounds for g in range(sizes[r] // group)}
+    lo = max(means[k] for k in skipped)
+    hi = min(means[k] for k in skipped)
+    if all(means[k] > lo for k in kept):
+        return f"every group whose mean reward is at most {lo:g}"
+    if all(means[k] < hi for k in kept):
+        return f"every group whose mean reward is at least {hi:g}"
+    return None
+
+
+def _flat(rewards, rounds: list, sizes: list, group: int) -> set:
+    """The (round, group) pairs of `rounds` whose rewards are all equal (NaN left out)."""
+    def spread_of(r, g):
+        x = [v for v in rewards[r][g * group:(g + 1) * group] if v == v]
+        return max(x) - min(x) if x else 0.0
+    return {(r, g) for r in rounds for g in range(sizes[r] // group) if spread_of(r, g) <= 1e-9}
 
 
 def read(cell, earlier: dict) -> list[Finding]:

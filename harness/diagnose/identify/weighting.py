@@ -12,6 +12,14 @@ from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.numerics import _kl, _same
 from harness.diagnose.identify.steps import _number, _rows_of, steps, tolerance
 
+_NAMES = {"sequence": "averages per completion, then over completions (TRL's grpo)",
+          "token_global": "divides the masked sum by the step's loss tokens (TRL's dapo)",
+          "constant": "divides the masked sum by completions x max_completion_length (TRL's dr_grpo)",
+          "sum": "sums the per-token losses without normalising",
+          "token_local": "divides each micro-batch's masked sum by its own loss tokens (TRL's bnpo)",
+          "token_local_in_order": "divides each micro-batch's masked sum by its own loss tokens, then averages over "
+                                  "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)"}
+
 
 def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, max_tokens: int, spec=None,
               step=None, rtol: float = 1e-4, atol: float = 1e-7) -> Finding:
@@ -36,13 +44,7 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
         k = n // grad_accum
         values["token_local_in_order"] = float(np.mean([sums[i:i + k].sum() / max(counts[i:i + k].sum(), 1.0)
                                                         for i in range(0, n, k)]))
-    names = {"sequence": "averages per completion, then over completions (TRL's grpo)",
-             "token_global": "divides the masked sum by the step's loss tokens (TRL's dapo)",
-             "constant": "divides the masked sum by completions x max_completion_length (TRL's dr_grpo)",
-             "sum": "sums the per-token losses without normalising",
-             "token_local": "divides each micro-batch's masked sum by its own loss tokens (TRL's bnpo)",
-             "token_local_in_order": "divides each micro-batch's masked sum by its own loss tokens, then averages over "
-                                     "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)"}
+    names = _NAMES
     if not np.any(np.abs(sums) > 1e-12) and abs(loss) <= atol:  # nothing trains at this step (every advantage 0)
         return Finding("weighting", step, "nothing to read at this step: the per-token losses and the loss are 0 (every "
                        "advantage 0)", {}, False, readable=False)
@@ -102,6 +104,76 @@ def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int
                    settles=("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR"))
 
 
+def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum: int, max_tokens: int,
+                     prefer: str | None = None, rtol: float = 1e-4, atol: float = 1e-7,
+                     telling: bool = False) -> tuple[str, int] | None:
+    """(loss type, factor) under which `loss` is your last micro-batch's loss alone (the rows, in your order, cut into
+    `grad_accum` equal micro-batches; its loss as it goes into backward, divided by `grad_accum` (factor), or as
+    computed (1)), the loss type `prefer` first; None where no loss type gives it. A loop that logs `loss.item()` of
+    its last micro-batch logs that. `telling`: only where the number tells it from the step's own (the other
+    micro-batches' losses do not sum to 0, nor the last one's, nor the loss)."""
+    n = len(lengths)
+    if grad_accum < 2 or not n or n % grad_accum or not math.isfinite(float(loss)):
+        return None
+    sums = np.array([float((np.nan_to_num(np.asarray(r[:k], dtype=np.float64)) * np.asarray(m[:k], dtype=np.float64))
+                           .sum()) for r, m, k in zip(per_token_loss, mask_rows, lengths)])
+    counts = np.array([float(np.asarray(m[:k], dtype=np.float64).sum()) for m, k in zip(mask_rows, lengths)])
+    last = slice(n - n // grad_accum, n)
+    sl, cl = sums[last], counts[last]
+    if telling and (not np.any(np.abs(sums[:last.start]) > 1e-12) or abs(float(loss)) <= 10 * atol):
+        return None  # the first micro-batches add nothing, or nothing is logged: no number tells the two apart
+    if not np.any(np.abs(sl) > 1e-12):  # (every advantage 0 there: any loss type gives 0)
+        return (prefer or "sequence", 1) if abs(float(loss)) <= atol and not telling else None
+    values = {"sequence": float(np.mean(sl / np.maximum(cl, 1.0))), "token_local": float(sl.sum() / max(cl.sum(), 1.0)),
+              "token_global": float(sl.sum() / max(counts.sum(), 1.0)), "constant": float(sl.sum() / max(n * max_tokens, 1)),
+              "sum": float(sl.sum())}
+    order = sorted(values, key=lambda k: k != prefer)
+    for k in order:
+        for f in ((grad_accum, 1) if k in ("sequence", "token_local") else (1,)):
+            if abs(values[k] / f - loss) <= atol + rtol * abs(loss):
+                return k, f
+    return None
+
+
+def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, spec, tol: dict, kl) -> Finding:
+    """`w` read again where the loss your loop saved or logged is its last micro-batch's alone: the loss type that
+    gives that micro-batch's loss, and the words that say it (logged otherwise than trained, not a difference). Not
+    read at a step with nothing to read, nor where the objective found a KL term (what is logged may leave it out)."""
+    if not w.readable or kl:
+        return w
+    saved = _number(t["loss"])
+    weak = not w.exact or w.no_switch or "LOSS_DIVISOR" in w.settings
+    value = saved if weak else logged if logged is not None and not (abs(logged - saved) <= 1e-7 + 1e-4 * abs(saved)) \
+        else None
+    spec_norm = "sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")
+    if value is None:  # the step's loss: does its last micro-batch's alone give the same number (nothing told)?
+        alike = last_micro_batch(t["per_token_loss"], t["mask"], lengths, saved, ga, spec.MAX_TOKENS, spec_norm, **tol)
+        if alike and w.exact and w.evidence.get("logged_mean_of_micro_batches"):  # two readings of one number
+            return dataclasses.replace(w, unsettled=w.unsettled + (
+                "what it logs may be its last micro-batch's loss alone: that gives the same number at this step",),
+                settles=(), evidence={**w.evidence, "last_fits": True})
+        return dataclasses.replace(w, evidence={**w.evidence, "last_fits": True}) if alike and w.exact else w
+    hit = last_micro_batch(t["per_token_loss"], t["mask"], lengths, value, ga, spec.MAX_TOKENS, spec_norm, **tol,
+                           telling=True)
+    if hit is None:
+        return w
+    kind, _ = hit
+    if weak:  # what it saved is the last micro-batch's too: the step's weighting is that loss type's
+        w = _of_kind(kind, spec, w.step)
+    said = ("what it logs as its loss is its last micro-batch's loss alone, not the sum over its "
+            f"{ga} micro-batches (logged otherwise than trained: not a difference in training)")
+    return dataclasses.replace(w, rule=f"{w.rule}; {said}", evidence={**w.evidence, "logged_last_micro_batch": True,
+                                                                    "logged_words": said})
+
+
+def _of_kind(kind: str, spec, step) -> Finding:
+    """The weighting of loss type `kind` (read from a micro-batch's loss), against the spec's."""
+    settings = {"LOSS_SUM": True} if kind == "sum" else {"LOSS_NORM": kind}
+    settings = {k: v for k, v in settings.items() if not _same(getattr(spec, k, None), v)}
+    return Finding("weighting", step, f"your loop {_NAMES[kind]}" + ("" if settings else ", as the spec's loss type "
+                   "does"), settings, True, same_as_spec=not settings, settles=())
+
+
 def read(cell, earlier: dict) -> list[Finding]:
     """How your per-token losses become your loss at every step that saved them with its mask and loss. Where the
     objective read a KL term at the same step (earlier["objective"]) and the loss fits no loss type, the loss is
@@ -129,6 +201,8 @@ def read(cell, earlier: dict) -> list[Finding]:
                                         "(logged otherwise than trained: not a difference in training)",
                                         same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
                                                                                 "logged_without_kl": True})
+        logged = cell.yours["loss"].get(s.step) if cell.yours is not None and "loss" in cell.yours.columns else None
+        w = _logged_last(w, t, None if logged is None else float(logged), s.lengths, ga, spec, tol, kl)
         per_micro_batch = w.exact and (w.settings.get("LOSS_NORM") == "token_local" or w.same_as_spec and
                                        getattr(spec, "LOSS_NORM", "") == "token_local")
         if ga != getattr(spec, "GRAD_ACCUM", 1) and per_micro_batch:  # your micro-batches, not the spec's count
