@@ -217,10 +217,6 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                                            device=device)
         model.train()
         gen_s = time.perf_counter() - t_gen  # completions are host lists here: the GPU work is done
-        if spec.END_AT_ID >= 0:  # a quirk: a sampler that stops at this id too (the pad id taken for a stop token)
-            completion_ids = core.end_at_id(completion_ids, spec.END_AT_ID)
-            if sampler_logps is not None:
-                sampler_logps = [lp[:len(c)] for lp, c in zip(sampler_logps, completion_ids)]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
         # ---- 3. rewards r_i (weighted sum of functions) and advantages A_i ------------------------------
@@ -238,6 +234,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                                                      spec.STD_EPS_INSIDE, spec.ADV_BASELINE)
 
         # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
+        if spec.END_AT_ID >= 0:  # a quirk: each completion ends at its first token of this id (the pad id, say)
+            completion_ids = core.end_at_id(completion_ids, spec.END_AT_ID)
+            if sampler_logps is not None:
+                sampler_logps = [lp[:len(c)] for lp, c in zip(sampler_logps, completion_ids)]
         p_ids, p_mask = pad_left(prompt_ids, pad_id)
         c_ids, c_mask = pad_right(completion_ids, pad_id)
         # TRL counts a completion as truncated when its last token is neither an eos nor the pad token
