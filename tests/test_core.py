@@ -457,7 +457,8 @@ def test_forward_rules_by_hand():
 def test_a_token_hidden_from_attention_scores_as_if_deleted_at_its_positions():
     """ATTENTION_HIDE_ID with POSITIONS: the tokens after a hidden one score as the sequence without it, at positions
     counted over the mask (POSITIONS = "mask") or at the model's own, which skip its place ("plain"), from the
-    token after it on; the hidden token itself still has its log-prob. LOGP_ZERO_ID: that id's log-prob is 0, the others unchanged."""
+    token after it on; the hidden token itself still has its log-prob. LOGP_ZERO_ID: that id's log-prob is 0, the
+    others unchanged."""
     from conftest import DEFAULT_SPEC
     from harness.experiment.models import checkpoint_dir, load_model
     from harness.experiment.spec import load_spec

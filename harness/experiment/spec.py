@@ -254,7 +254,8 @@ class Spec:
                            "where its mask does; -1 = none. TRL has no setting for it.", min=-1)
     END_AT_ID: int = _f(-1, "Each completion ends at its first token of this id, that token included, as a sampler "
                         "that stops there (the pad id taken for a stop token): the tokens after it leave the sequences "
-                        "the forward passes see and the loss (the rewards stay the round's); -1 = none. TRL has no setting for it.", min=-1)
+                        "the forward passes see and the loss (the rewards stay the round's); -1 = none. TRL has no "
+                        "setting for it.", min=-1)
     ADV_BASELINE: str = _f("group", "What each reward is centred on: its group's mean (`group`, TRL) or the mean of "
                            "the group's other completions (`loo`: leave-one-out, RLOO's and NeMo-RL's baseline; with "
                            "ADV_SCALE = group the std is the others' too, and a completion whose others are alike is "

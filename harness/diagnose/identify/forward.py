@@ -23,7 +23,7 @@ from harness.diagnose.fields import words as field_words
 from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.steps import _rows_of, steps
 
-MOST_IDS = 4  # token ids tried as hidden from attention or as a completion's end (the pad id and the eos first)
+MOST_IDS = 4  # token ids tried as hidden from attention (the pad id and the eos first; the pad id also as an end)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # a log-prob reproduced (a batch's padding moves fp32 ~1e-6)
 
 
@@ -55,12 +55,12 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -
     zeros = _zeroed_ids(mine, scored[()], completions, off)
     ids = _hidden_ids(prompts, completions, off, mine, zeros, pad_id, eos_ids)
     rules = [Rule(p, z, e) for p in _passes(ids, eos_ids, spec) for z in (-1, *zeros)
-             for e in (-1, *(i for i in ids if i not in eos_ids))]
+             for e in (-1, *(i for i in ids if i == pad_id and i not in eos_ids))]  # (a sampler stops at its pad id)
     fits = []
     for rule in rules:
         if rule.passes not in scored:
             scored[rule.passes] = score(dict(rule.passes))
-        fits.append((rule, *_fit(mine, scored[rule.passes], completions, rule)))
+        fits.append((rule, *_fit(mine, scored[rule.passes], completions, rule, tol)))
     # a rule that reproduces every token beats one that leaves some uncompared (an end), then the fewest switches
     exact = sorted((x for x in fits if x[1] <= tol), key=lambda x: (x[2], len(x[0].settings), x[1]))
     rows = sum(1 for o in off if o)
@@ -77,7 +77,9 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -
     settles = tuple(k for k, v in best.settings.items() if all(r.settings.get(k) == v for r in alike))
     unsettled = tuple(f"{_said(r.settings)} reproduces your log-probs as well (a look-alike at this step)"
                       for r in alike[:3])
-    return Finding("forward", step, f"your loop {_said(best.settings)}: it reproduces your log-probs at step {step} "
+    ids = [best.settings.get(k) for k in ("ATTENTION_HIDE_ID", "LOGP_ZERO_ID", "END_AT_ID")]
+    pad = f" ({pad_id} is the pad token's id)" if pad_id is not None and pad_id in ids else ""
+    return Finding("forward", step, f"your loop {_said(best.settings)}{pad}: it reproduces your log-probs at step {step} "
                    f"({rows} of {len(mine)} rows part from TRL's; {fit:.2g} off)", best.settings, True,
                    unsettled=unsettled, evidence={**ev, "alike": [r.settings for r in alike]}, settles=settles)
 
@@ -131,14 +133,17 @@ def _passes(ids, eos_ids, spec) -> list[tuple]:
     return list(dict.fromkeys(out))
 
 
-def _fit(mine, theirs, completions, rule: Rule) -> tuple[float, int]:
+def _fit(mine, theirs, completions, rule: Rule, tol: float) -> tuple[float, int]:
     """(the largest |yours - the rule's| over the tokens the rule scores, the tokens it leaves uncompared): through
     the first `end` id where it ends a completion (the tokens after it are none of the rule's), an id zeroed scoring
-    0; inf where a token the rule scores is missing from yours."""
+    0; inf where a token the rule scores is missing from yours, or where a completion the rule ends has your
+    log-probs after its end as if it went on (the rule is refuted there)."""
     worst, uncompared = 0.0, 0
     for m, th, c in zip(mine, theirs, completions):
         n = c.index(rule.end) + 1 if rule.end in c else len(c)
         uncompared += len(c) - n
+        if n < len(c) and all(abs(a - b) <= tol for a, b in zip(m[n:], th[n:])):
+            return float("inf"), uncompared
         for t in range(n):
             d = abs(m[t] - (0.0 if c[t] == rule.zero else th[t]))
             if not d <= worst:  # (NaN: missing)
@@ -151,7 +156,7 @@ def read(cell, earlier: dict) -> list[Finding]:
     none, or where TRL's rule reproduces them."""
     first = next((s for s in steps(cell) if s.step == 1 and _rows_of(s.tensors.get("logps"), len(s.completions))),
                  None)
-    if first is None:
+    if first is None or any("prompt_ids" not in cell.records[r] for r, _ in first.rows[:1]):
         return []
     prompts = [cell.records[r]["prompt_ids"][i] for r, i in first.rows]
     found = forward(first.tensors["logps"], prompts, first.completions, _scorer(cell, prompts, first.completions),
