@@ -30,6 +30,19 @@ def setup():
     return spec, model, tok.pad_token_id, eos
 
 
+def _packed_logps(model, drop):
+    """A loop that packs each sequence without the token `drop`: each kept token scored from the kept token before
+    it, one sequence at a time; the dropped token's place holds 0 (out of its loss)."""
+    out = []
+    for p, c in zip(PROMPTS, COMPLETIONS):
+        kept = [t for t in c if t != drop]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([p + kept])).logits[0, len(p) - 1:-1], -1)
+        got = iter(lp.gather(-1, torch.tensor(kept).unsqueeze(-1)).squeeze(-1).tolist())
+        out.append([0.0 if t == drop else next(got) for t in c])
+    return out
+
+
 def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temperature=1.0):
     """One row per completion, as a loop computes them: left-padded prompts, right-padded completions."""
     comps = [c[:c.index(end) + 1] if end is not None and end in c else c for c in COMPLETIONS]
@@ -67,6 +80,12 @@ def test_forward_rule_is_read(setup, rule, loop, want):
     f = _read(spec, _loop_logps(model, **loop), pad, eos)
     assert f is not None and f.exact and f.settings == want, (rule, f)
     assert set(f.settles) == set(want) and not f.unsettled, (rule, f)
+
+
+def test_a_token_packed_out_of_the_sequence_is_read(setup):
+    spec, model, pad, eos = setup
+    f = _read(spec, _packed_logps(model, 0), pad, eos)
+    assert f is not None and f.exact and f.settings == {"MASK_TOKEN_ID": 0, "MASK_TOKEN_DROP": True}, f
 
 
 def test_trl_forward_is_nothing_to_say_and_raw_logits_are_read(setup):

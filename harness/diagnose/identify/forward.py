@@ -4,7 +4,7 @@ Step 1's weights are the initial checkpoint's (every side starts from PARITY_INI
 before its update), so the completions can be scored again under candidate forward rules and set against yours:
 - the attention mask from token ids (a mask built as `ids != pad_id` hides a generated pad token from the tokens
   after it; the eos, the prompt's too, for a loop whose pad is its eos), with positions counted over the mask or the
-  model's own (POSITIONS);
+  model's own (POSITIONS), or the token taken out of the sequence (MASK_TOKEN_DROP: a loop that packs without it);
 - a log-prob of 0 at one id (cross_entropy's ignore_index: LOGP_ZERO_ID), read off your tensors without a pass;
 - each completion ended at its first token of an id (a sampler that stops at the pad id: END_AT_ID): your log-probs
   agree with TRL's through it and not after, and the tokens after it are not compared;
@@ -119,13 +119,15 @@ def _hidden_ids(prompts, completions, off, mine, zeros, pad_id, eos_ids) -> list
 
 def _passes(ids, eos_ids, spec) -> list[tuple]:
     """The forward passes to score: TRL's, each id hidden from attention at either kind of positions (the eos as
-    EOS_ATTENTION: the prompt's too), the raw logits at a temperature, the other dtype."""
+    EOS_ATTENTION: the prompt's too) or taken out of the sequence (MASK_TOKEN_DROP), the raw logits at a
+    temperature, the other dtype."""
     out = [()]
     for x in ids:
         if x in eos_ids:
             out += [(("EOS_ATTENTION", "mask"),), (("EOS_ATTENTION", "mask"), ("POSITIONS", "plain"))]
         else:
-            out += [(("ATTENTION_HIDE_ID", x),), (("ATTENTION_HIDE_ID", x), ("POSITIONS", "mask"))]
+            out += [(("ATTENTION_HIDE_ID", x),), (("ATTENTION_HIDE_ID", x), ("POSITIONS", "mask")),
+                    (("MASK_TOKEN_ID", x), ("MASK_TOKEN_DROP", True))]  # (out of the sequence: packed without it)
     if spec.TEMPERATURE != 1.0:
         out.append((("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS),))
     if getattr(spec, "MASTER_WEIGHTS", "float32") == "float32":
@@ -135,16 +137,18 @@ def _passes(ids, eos_ids, spec) -> list[tuple]:
 
 def _fit(mine, theirs, completions, rule: Rule, tol: float) -> tuple[float, int]:
     """(the largest |yours - the rule's| over the tokens the rule scores, the tokens it leaves uncompared): through
-    the first `end` id where it ends a completion (the tokens after it are none of the rule's), an id zeroed scoring
-    0; inf where a token the rule scores is missing from yours, or where a completion the rule ends has your
+    the first `end` id where it ends a completion (the tokens after it are none of the rule's), a token taken out of
+    the sequence left out, an id zeroed scoring 0; inf where a token the rule scores is missing from yours, or where a completion the rule ends has your
     log-probs after its end as if it went on (the rule is refuted there)."""
     worst, uncompared = 0.0, 0
+    passes = dict(rule.passes)
+    dropped = passes.get("MASK_TOKEN_ID", -1) if passes.get("MASK_TOKEN_DROP") else -1  # (none of the loop's tokens)
     for m, th, c in zip(mine, theirs, completions):
         n = c.index(rule.end) + 1 if rule.end in c else len(c)
-        uncompared += len(c) - n
+        uncompared += len(c) - n + c[:n].count(dropped)
         if n < len(c) and all(abs(a - b) <= tol for a, b in zip(m[n:], th[n:])):
             return float("inf"), uncompared
-        for t in range(n):
+        for t in (t for t in range(n) if c[t] != dropped):
             d = abs(m[t] - (0.0 if c[t] == rule.zero else th[t]))
             if not d <= worst:  # (NaN: missing)
                 worst = d if d == d else float("inf")
@@ -180,7 +184,8 @@ def _scorer(cell, prompts, completions):
             model.append(load_model(checkpoint_dir(spec), getattr(spec, "MASTER_WEIGHTS", "float32"), "cpu").eval())
         s = dataclasses.replace(spec, **settings)
         rules = {"masked_eos": tuple(cell.eos_ids) if s.EOS_ATTENTION == "mask" else (), "positions": s.POSITIONS,
-                 "hidden": (s.ATTENTION_HIDE_ID,) if s.ATTENTION_HIDE_ID >= 0 else ()}
+                 "hidden": (s.ATTENTION_HIDE_ID,) if s.ATTENTION_HIDE_ID >= 0 else (),
+                 "dropped": s.MASK_TOKEN_ID if s.MASK_TOKEN_ID >= 0 and s.MASK_TOKEN_DROP else None}
         size = max(1, len(completions) // max(1, spec.GRAD_ACCUM))
         out = []
         for at in range(0, len(completions), size):
