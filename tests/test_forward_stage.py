@@ -43,7 +43,7 @@ def _packed_logps(model, drop):
     return out
 
 
-def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temperature=1.0):
+def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temperature=1.0, bf16=False):
     """One row per completion, as a loop computes them: left-padded prompts, right-padded completions."""
     comps = [c[:c.index(end) + 1] if end is not None and end in c else c for c in COMPLETIONS]
     P, T = max(map(len, PROMPTS)), max(map(len, comps))
@@ -53,8 +53,8 @@ def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temp
     if hide is not None:
         attention = attention * (ids != hide).long()
     extra = {"position_ids": (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)} if positions == "mask" else {}
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, P - 1:-1] / temperature
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, P - 1:-1].float() / temperature
     targets = ids[:, P:]
     if ignore is not None:
         lp = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=ignore, reduction="none")
@@ -88,13 +88,15 @@ def test_a_token_packed_out_of_the_sequence_is_read(setup):
     assert f is not None and f.exact and f.settings == {"MASK_TOKEN_ID": 0, "MASK_TOKEN_DROP": True}, f
 
 
-def test_trl_forward_is_nothing_to_say_and_raw_logits_are_read(setup):
+def test_trl_forward_is_nothing_to_say_raw_logits_and_a_dtype_are_read(setup):
     spec, model, pad, eos = setup
     assert _read(spec, _loop_logps(model), pad, eos) is None  # TRL's forward pass: one pass, nothing said
     hot = dataclasses.replace(spec, TEMPERATURE=0.7)
     f = _read(hot, _loop_logps(model), pad, eos)  # (raw logits, the spec's temperature 0.7)
     assert f is not None and f.exact and f.settings == {"LOGP_ON_RAW_LOGITS": True}, f
     assert _read(hot, _loop_logps(model, temperature=0.7), pad, eos) is None
+    f = _read(spec, _loop_logps(model, bf16=True), pad, eos)  # a loop under bf16 autocast, the spec in float32
+    assert f is not None and f.exact and f.settings == {"DTYPE": "bfloat16"}, f
 
 
 def test_a_forward_pass_no_rule_reproduces_is_said_so(setup):

@@ -56,16 +56,21 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -
     ids = _hidden_ids(prompts, completions, off, mine, zeros, pad_id, eos_ids)
     rules = [Rule(p, z, e) for p in _passes(ids, eos_ids, spec) for z in (-1, *zeros)
              for e in (-1, *(i for i in ids if i == pad_id and i not in eos_ids))]  # (a sampler stops at its pad id)
+    trl_off = max((abs(a - b) for m, t in zip(mine, scored[()]) for a, b in zip(m, t) if a == a), default=0.0)
+
+    def within(rule: Rule, fit: float) -> bool:  # another dtype: its own rounding, and far closer than TRL's rule
+        dtype = dict(rule.passes).get("DTYPE")
+        return fit <= tol if dtype is None else fit <= min(TOLERANCE.get(dtype, tol), trl_off / 10)
+
     fits = []
     for rule in rules:
         if rule.passes not in scored:
             scored[rule.passes] = score(dict(rule.passes))
         fits.append((rule, *_fit(mine, scored[rule.passes], completions, rule, tol)))
     # a rule that reproduces every token beats one that leaves some uncompared (an end), then the fewest switches
-    exact = sorted((x for x in fits if x[1] <= tol), key=lambda x: (x[2], len(x[0].settings), x[1]))
+    exact = sorted((x for x in fits if within(x[0], x[1])), key=lambda x: (x[2], len(x[0].settings), x[1]))
     rows = sum(1 for o in off if o)
-    ev = {"rows": rows, "max_abs": max(abs(a - b) for m, t in zip(mine, scored[()]) for a, b in zip(m, t)
-                                       if a == a), "rules_tried": len(fits), "passes": len(scored)}
+    ev = {"rows": rows, "max_abs": trl_off, "rules_tried": len(fits), "passes": len(scored)}
     if not exact:
         closest = min(fits, key=lambda x: x[1])
         said = _said(closest[0].settings) or "TRL's"
