@@ -28,6 +28,14 @@ Its choices are flags, so you can see what the harness says when they differ fro
                              the rollouts carry (vLLM's, or the emulated sampler's): token_truncate, token_mask,
                              sequence_truncate or sequence_mask, bounded by the spec's IS_CLIP_MIN / IS_CLIP_MAX; off:
                              none (a loop that trains on a separate sampler's completions as if they were its own)
+  What its forward pass sees (loops that treat their pad token id specially; TRL does none of these):
+    --attention-hide-id ID   build the attention mask as `ids != ID` (with the pad id: a generated pad token is
+                             hidden from the tokens after it), the token kept in the loss
+    --positions plain|mask   pass no position ids (the model's own, TRL) or count them over the attention mask
+    --ignore-id ID           score tokens with cross_entropy(ignore_index=ID): that id's log-prob is 0, and it still
+                             counts in the loss's divisor
+    --end-at-id ID           end each completion at its first token ID, that token included (a sampler that stops
+                             at the pad id): the tokens after it are not trained on
   Which completions a step trains on (the loop then says so with parity.trained, and reads lockstep rounds at its own
   pace; TRL trains each step on one whole round):
     --skip-flat-groups       leave out the groups whose rewards are all equal (DAPO's dynamic sampling)
@@ -75,6 +83,10 @@ p.add_argument("--mask-token-id", type=int)
 p.add_argument("--loss-divisor", type=float)
 p.add_argument("--max-grad-norm", type=float)
 p.add_argument("--is-correction", choices=("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+p.add_argument("--attention-hide-id", type=int)
+p.add_argument("--positions", choices=("plain", "mask"), default="plain")
+p.add_argument("--ignore-id", type=int)
+p.add_argument("--end-at-id", type=int)
 p.add_argument("--skip-flat-groups", action="store_true")
 p.add_argument("--round-parts", type=int, default=1)
 p.add_argument("--rounds-per-step", type=int, default=1)
@@ -121,6 +133,9 @@ IS_FROM = "--is-correction" if args.is_correction else "the spec's IS_CORRECTION
 if IS_MODE and SELECT:
     raise SystemExit(f"an importance-sampling correction ({IS_FROM}) with a selection of completions: this example "
                      "weights whole rounds only; pass --is-correction off")
+if args.end_at_id is not None and (SELECT or IS_MODE):
+    raise SystemExit("--end-at-id cuts whole rounds' completions, without a selection or an importance-sampling "
+                     "correction")
 if args.pg_loss == "logp" and MU > 1:
     raise SystemExit("--pg-loss logp is the policy gradient with one pass per round: NUM_ITERATIONS must be 1")
 
@@ -207,8 +222,16 @@ def sample_round(r):
 
 
 def token_logp(net, ids, attention, targets, P):
+    if args.attention_hide_id is not None:  # the attention mask from token ids: that id hidden wherever it stands
+        attention = attention * (ids != args.attention_hide_id).long()
+    extra = {}
+    if args.positions == "mask":  # positions counted over the attention mask (1 where masked)
+        extra["position_ids"] = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)
     with torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=BF16):
-        logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
+        logits = net(input_ids=ids, attention_mask=attention, **extra).logits[:, P - 1:-1]
+    if args.ignore_id is not None:  # cross_entropy's ignore_index: that id's log-prob is 0
+        return -torch.nn.functional.cross_entropy(logits.float().transpose(1, 2) / TEMPERATURE, targets,
+                                                  ignore_index=args.ignore_id, reduction="none")
     return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -276,6 +299,9 @@ for step in range(STEPS):
         given = parity.rollout(r)  # parity: lockstep rollouts when the harness gives them
         batch = given or sample_round(r)
         model.train()
+        if args.end_at_id is not None:  # each completion through its first token of that id (its sampler stops there)
+            batch = {**batch, "completion_ids": [c[:c.index(args.end_at_id) + 1] if args.end_at_id in c else c
+                                                 for c in batch["completion_ids"]]}
         rewards, adv = scored(batch)
         order = list(range(len(adv)))  # the order its micro-batches take the round's rows
         if args.sort_by_length:  # longest first (fewer pad tokens per micro-batch)

@@ -250,6 +250,42 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
 
 
 # ---------------------------------------------------------------------------------------------
+# what the forward pass sees (TRL: the padding mask, the model's own positions, every generated token)
+# ---------------------------------------------------------------------------------------------
+POSITIONS = ("auto", "plain", "mask")
+
+
+def hide_ids(attention: torch.Tensor, input_ids: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
+    """The attention mask with every token whose id is in `ids` hidden, wherever it stands (a mask built as
+    `input_ids != pad_id`: a generated pad token is hidden from the tokens after it). `ids` empty: unchanged."""
+    if not ids:
+        return attention
+    return attention * ~torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
+
+
+def position_ids(attention: torch.Tensor) -> torch.Tensor:
+    """Positions counted over the attention mask: cumsum(mask) - 1, and 1 where the mask is 0 (as transformers'
+    generate counts them). The model's own positions (TRL) are plain: 0, 1, 2, ... over every column."""
+    return (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 1)
+
+
+def zero_logps_at(logps: torch.Tensor, targets: torch.Tensor, token_id: int) -> torch.Tensor:
+    """Log-probs with 0 at every target of id `token_id` (a loop scoring with cross_entropy(ignore_index=token_id):
+    that token's term is 0, with no gradient); -1: unchanged."""
+    if token_id < 0:
+        return logps
+    return logps.masked_fill(targets == token_id, 0.0)
+
+
+def end_at_id(completion_ids: list[list[int]], token_id: int) -> list[list[int]]:
+    """Each completion through its first token of id `token_id`, that token included, as a sampler that stops there
+    (one that takes the pad id for a stop token) writes it; -1: unchanged."""
+    if token_id < 0:
+        return completion_ids
+    return [ids[:ids.index(token_id) + 1] if token_id in ids else ids for ids in completion_ids]
+
+
+# ---------------------------------------------------------------------------------------------
 # which tokens the loss counts
 # ---------------------------------------------------------------------------------------------
 COMPLETION_MASKS = ("eos", "no_eos", "all")

@@ -35,7 +35,8 @@ from scratch_grpo import core
 
 def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                        completion_mask: torch.Tensor, temperature: float, entropy_temperature: float | None = None,
-                       masked_eos: tuple[int, ...] = (), dropped: int | None = None):
+                       masked_eos: tuple[int, ...] = (), dropped: int | None = None, hidden: tuple[int, ...] = (),
+                       positions: str = "auto", zero_id: int = -1):
     """Per-token log-probs (B, T) of the completion tokens, and with `entropy_temperature` the entropy (B, T) of
     softmax(logits / entropy_temperature) (no gradient); else None.
 
@@ -45,7 +46,10 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     quirk, MASK_TOKEN_DROP): every completion token with this id is taken out of the sequence, as a loop that packs
     its sequences without pad tokens does: out of attention, positions counting only the tokens kept, and each kept
     token scored from the last kept position before it (the dropped token's own log-prob is left, for the loss mask
-    to leave out).
+    to leave out). `hidden` (a quirk, ATTENTION_HIDE_ID): tokens of these ids hidden from attention wherever they
+    stand (a mask built as `ids != pad_id`), kept in the sequence. `positions` (POSITIONS): `plain` (the model's own,
+    TRL), `mask` (counted over the attention mask), `auto` (counted where eos tokens are masked or a token dropped).
+    `zero_id` (LOGP_ZERO_ID): that id's log-probs are 0 (cross_entropy's ignore_index).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -55,19 +59,18 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     if dropped is not None:
         kept = ~((completion_ids == dropped) & (completion_mask > 0))
         attention = attention * torch.cat([torch.ones_like(prompt_mask, dtype=torch.bool), kept], dim=1)
-    if masked_eos:
-        attention = attention * ~torch.isin(input_ids, torch.tensor(masked_eos, device=input_ids.device))
-    if masked_eos or kept is not None:
-        positions = attention.long().cumsum(-1) - 1
-        extra["position_ids"] = positions.masked_fill(attention == 0, 1)
+    attention = core.hide_ids(attention, input_ids, tuple(masked_eos) + tuple(hidden))
+    if positions == "mask" or positions == "auto" and (masked_eos or kept is not None):
+        extra["position_ids"] = core.position_ids(attention)
     logits = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1, **extra).logits[:, :-1]
     if kept is not None:  # token j from the last kept position before it (0: the prompt's last token)
         at = torch.arange(1, T + 1, device=kept.device).expand_as(kept) * kept  # 1 + index where kept, else 0
         source = torch.cat([torch.zeros_like(at[:, :1]), at[:, :-1]], dim=1).cummax(dim=1).values
         logits = logits.gather(1, source.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
     if entropy_temperature is None:
-        return core.token_logprobs(logits, completion_ids, temperature), None
-    return core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
+        return core.zero_logps_at(core.token_logprobs(logits, completion_ids, temperature), completion_ids, zero_id), None
+    logp, entropy = core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
+    return core.zero_logps_at(logp, completion_ids, zero_id), entropy
 
 
 def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin: bool = False, stop_when=None,
@@ -183,6 +186,9 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     logp_temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE  # raw logits: a quirk
     masked_eos = tuple(eos_ids) if spec.EOS_ATTENTION == "mask" else ()  # pad = eos: a quirk
     dropped = spec.MASK_TOKEN_ID if spec.MASK_TOKEN_ID >= 0 and spec.MASK_TOKEN_DROP else None  # a quirk
+    # the forward pass's quirks: what it sees, where, and which log-probs it zeroes (TRL: none of them)
+    forward_rules = {"masked_eos": masked_eos, "dropped": dropped, "positions": spec.POSITIONS,
+                     "zero_id": spec.LOGP_ZERO_ID, "hidden": (spec.ATTENTION_HIDE_ID,) if spec.ATTENTION_HIDE_ID >= 0 else ()}
 
     def prepare(r: int) -> types.SimpleNamespace:
         """Round r as it stands when it is generated: its prompts (each repeated G times: a group), completions,
@@ -228,6 +234,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                                                      spec.STD_EPS_INSIDE, spec.ADV_BASELINE)
 
         # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
+        if spec.END_AT_ID >= 0:  # a quirk: each completion ends at its first token of this id (the pad id, say)
+            completion_ids = core.end_at_id(completion_ids, spec.END_AT_ID)
+            if sampler_logps is not None:
+                sampler_logps = [lp[:len(c)] for lp, c in zip(sampler_logps, completion_ids)]
         p_ids, p_mask = pad_left(prompt_ids, pad_id)
         c_ids, c_mask = pad_right(completion_ids, pad_id)
         # TRL counts a completion as truncated when its last token is neither an eos nor the pad token
@@ -247,7 +257,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             with torch.no_grad(), autocast_for(device, spec.DTYPE):
                 return torch.cat([completion_forward(net, p_ids[s:s + mb_size], p_mask[s:s + mb_size],
                                                      c_ids[s:s + mb_size], c_mask[s:s + mb_size],
-                                                     logp_temperature, masked_eos=masked_eos, dropped=dropped)[0]
+                                                     logp_temperature, **forward_rules)[0]
                                   for s in range(0, N, mb_size)])
 
         # (a selection of rows may train on this round after an update: its old log-probs are taken now; with
@@ -306,7 +316,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             with autocast_for(device, spec.DTYPE):
                 logp, entropy = completion_forward(model, b.p_ids[mb], b.p_mask[mb], b.c_ids[mb], b.c_mask[mb],
                                                    logp_temperature, entropy_temperature=spec.TEMPERATURE,
-                                                   masked_eos=masked_eos, dropped=dropped)
+                                                   **forward_rules)
             mask = b.c_mask[mb].float()
             old = b.logp_old[mb] if b.logp_old is not None else logp.detach()
             if b.fresh is not None:  # rows of a round generated at this very policy: the current ones, detached (TRL)

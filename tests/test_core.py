@@ -503,3 +503,51 @@ def test_eos_masked_out_of_attention_is_the_same_as_deleting_it():
             want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
             assert torch.allclose(masked[i, :len(c)], want, atol=1e-5), (i, masked[i], want)
     assert not torch.allclose(masked, plain, atol=1e-3)  # attending to the eos tokens gives other numbers
+
+
+def test_forward_rules_by_hand():
+    """The forward pass's quirks as pure functions: an attention mask built from token ids, positions counted over
+    the mask, a log-prob of 0 at an ignored id, a completion ended at its first token of an id."""
+    attention = torch.tensor([[0, 1, 1, 1, 1]])
+    ids = torch.tensor([[0, 5, 0, 7, 2]])  # left padding, then a generated pad token (id 0) in the middle
+    assert core.hide_ids(attention, ids, (0,)).tolist() == [[0, 1, 0, 1, 1]]
+    assert core.hide_ids(attention, ids, (0, 2)).tolist() == [[0, 1, 0, 1, 0]]
+    assert core.hide_ids(attention, ids, ()).tolist() == attention.tolist()
+    # cumsum(mask) - 1 = [-1, 0, 0, 1, 2]; 1 where the mask is 0
+    assert core.position_ids(torch.tensor([[0, 1, 0, 1, 1]])).tolist() == [[1, 0, 1, 1, 2]]
+    logps = torch.tensor([[-1.0, -2.0, -3.0]])
+    targets = torch.tensor([[4, 0, 4]])
+    assert core.zero_logps_at(logps, targets, 4).tolist() == [[0.0, -2.0, 0.0]]
+    assert core.zero_logps_at(logps, targets, -1).tolist() == [[-1.0, -2.0, -3.0]]
+    assert core.end_at_id([[3, 0, 5, 0], [3, 4], [0, 6]], 0) == [[3, 0], [3, 4], [0]]
+    assert core.end_at_id([[3, 0, 5]], -1) == [[3, 0, 5]]
+
+
+def test_a_token_hidden_from_attention_scores_as_if_deleted_at_its_positions():
+    """ATTENTION_HIDE_ID with POSITIONS: the tokens after a hidden one score as the sequence without it, at positions
+    counted over the mask (POSITIONS = "mask") or at the model's own, which skip its place ("plain"), from the
+    token after it on; the hidden token itself still has its log-prob. LOGP_ZERO_ID: that id's log-prob is 0, the
+    others unchanged."""
+    from conftest import DEFAULT_SPEC
+    from harness.experiment.models import checkpoint_dir, load_model
+    from harness.experiment.spec import load_spec
+    from scratch_grpo.train import completion_forward
+
+    model = load_model(checkpoint_dir(load_spec(DEFAULT_SPEC)), "float32", "cpu").eval()
+    prompt, comp = [5, 9, 11, 4], [7, 0, 12, 8]  # a generated pad token (id 0) inside the completion
+    p, c = torch.tensor([prompt]), torch.tensor([comp])
+    ones = torch.ones_like
+    with torch.no_grad():
+        counted = completion_forward(model, p, ones(p), c, ones(c), 1.0, hidden=(0,), positions="mask")[0][0]
+        plain = completion_forward(model, p, ones(p), c, ones(c), 1.0, hidden=(0,), positions="plain")[0][0]
+        seen = completion_forward(model, p, ones(p), c, ones(c), 1.0)[0][0]
+        zeroed = completion_forward(model, p, ones(p), c, ones(c), 1.0, zero_id=0)[0][0]
+        kept = torch.tensor([prompt + [7, 12]])  # the sequence without the pad token (12 itself is scored from the
+        # hidden token's place, which sees the tokens before it: no deleted sequence has that place)
+        at = {"mask": torch.arange(6)[None], "plain": torch.tensor([[0, 1, 2, 3, 4, 6]])}
+        for how, got in (("mask", counted), ("plain", plain)):
+            logits = model(input_ids=kept, position_ids=at[how]).logits[0, -1]  # (12's place scores 8)
+            torch.testing.assert_close(got[3], torch.log_softmax(logits, -1)[8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(counted[:2], seen[:2], rtol=1e-5, atol=1e-5)  # before it and at it: as seen
+    assert (counted[2:] - plain[2:]).abs().max() > 1e-4 and (seen[2:] - plain[2:]).abs().max() > 1e-4
+    assert zeroed[1] == 0 and torch.equal(zeroed[[0, 2, 3]], seen[[0, 2, 3]])

@@ -315,6 +315,12 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     T.append(_row("other", "STD", spec.STD, "(fixed)", "bessel",
                   "TRL divides by the Bessel-corrected group std (nanstd, n-1); many scratch loops use n"))
     T.append(_row("other", "STD_EPS", spec.STD_EPS, "(fixed)", 1e-4, "TRL adds 1e-4 to the std"))
+    T.append(_row("other", "ATTENTION_HIDE_ID / POSITIONS", f"{spec.ATTENTION_HIDE_ID} / {spec.POSITIONS}", "(fixed)",
+                  "-1 / auto", "TRL's attention mask is the padding mask and it passes no position ids (the model's "
+                  "own); no setting hides a token id or counts positions over the mask"))
+    T.append(_row("other", "LOGP_ZERO_ID / END_AT_ID", f"{spec.LOGP_ZERO_ID} / {spec.END_AT_ID}", "(fixed)", "-1 / -1",
+                  "TRL scores every completion token and ends completions at the eos only; no setting zeroes a "
+                  "token's log-prob (ignore_index) or stops at another id"))
     T.append(_row("other", "CLIP_LOW / CLIP_HIGH", f"{spec.CLIP_LOW} / {spec.CLIP_HIGH}", "epsilon / epsilon_high",
                   f"{kw['epsilon']} / {kw['epsilon_high']}", "epsilon_high=None means epsilon"))
     T.append(_row("other", "DELTA", spec.DELTA or None, "delta", kw["delta"]))

@@ -202,6 +202,33 @@ FIELDS = {
         trl_fixed=False, quantity="masked token dropped from the sequence", preflight_words={
             True: "takes that token out of the sequence the model sees (packing without pad tokens); TRL feeds every "
                   "generated token and has no option not to"}),
+    # the forward pass: what it sees, at which positions, and which log-probs it zeroes (identify/forward.py reads them)
+    "ATTENTION_HIDE_ID": Field(
+        None, words=lambda v: f"hides every token with id {v} from attention, wherever it stands (an attention mask "
+                              "built as `ids != pad_id`), the token kept in the sequence",
+        trl_fixed=-1, quantity="token id hidden from attention", preflight_words={
+            "*": "hides every token with one id from attention (an attention mask built as `ids != pad_id`); TRL's "
+                 "attention mask is the padding mask and it has no option for it"}),
+    "POSITIONS": Field(
+        None, words=lambda v: {"mask": "counts position ids over the attention mask (TRL passes none: the model's "
+                                       "own, 0, 1, 2, ... over every column)",
+                               "plain": "passes no position ids (the model's own, over every column)"}.get(
+                                   v, "counts positions as the built-in loop does"),
+        trl_fixed="auto", quantity="position ids", preflight_words={
+            "mask": "counts position ids over the attention mask; TRL passes none (the model's own) and has no option "
+                    "to", "plain": "passes the model's own position ids where tokens are masked out of attention"}),
+    "LOGP_ZERO_ID": Field(
+        None, words=lambda v: f"scores every token with id {v} with a log-prob of 0 (cross_entropy(ignore_index="
+                              f"{v})): no gradient there, the loss still counting it where its mask does",
+        trl_fixed=-1, quantity="token id scored with log-prob 0", preflight_words={
+            "*": "scores one token id with a log-prob of 0 (cross_entropy's ignore_index); TRL scores every token and "
+                 "has no option for it"}),
+    "END_AT_ID": Field(
+        None, words=lambda v: f"ends each completion at its first token with id {v}, that token included (its sampler "
+                              "stops there): the tokens after it are not in its sequences",
+        trl_fixed=-1, quantity="completions end at a token id", preflight_words={
+            "*": "ends each completion at its first token of one id (a sampler that stops there); TRL ends them at "
+                 "the eos only and has no option for another"}),
     "LR_STEPS": Field(
         None, words=lambda v: (f"follows a learning-rate schedule of its own, {len(v)} rates from {v[0]:.4g} to "
                                f"{v[-1]:.4g} (TRL's are named schedules over the run's steps)"),

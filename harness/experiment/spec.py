@@ -249,6 +249,22 @@ class Spec:
     MASK_TOKEN_DROP: bool = _f(False, "With MASK_TOKEN_ID: that token also leaves the sequence the model sees (a loop "
                                "that packs its sequences without pad tokens, as open-instruct does): out of attention, "
                                "positions counting only the tokens kept.")
+    ATTENTION_HIDE_ID: int = _f(-1, "A token id the forward passes hide from attention wherever it stands (an "
+                                "attention mask built as `ids != pad_id`: a generated pad token is hidden from the "
+                                "tokens after it), the token kept in the sequence and, unless MASK_TOKEN_ID says so, in "
+                                "the loss; -1 = none. Positions: POSITIONS. TRL has no setting for it.", min=-1)
+    POSITIONS: str = _f("auto", "Position ids of the forward passes: `plain` (the model's own, 0, 1, 2, ... over every "
+                        "column, as TRL passes none), `mask` (counted over the attention mask: cumsum - 1, as loops "
+                        "that pass position_ids do) or `auto` (counted with EOS_ATTENTION = \"mask\" or "
+                        "MASK_TOKEN_DROP, plain otherwise). TRL has no setting for it.",
+                        choices=("auto", "plain", "mask"))
+    LOGP_ZERO_ID: int = _f(-1, "A token id whose log-prob is 0 in every forward pass (a loop scoring tokens with "
+                           "cross_entropy(ignore_index=pad_id)): its term has no gradient, and the loss still counts it "
+                           "where its mask does; -1 = none. TRL has no setting for it.", min=-1)
+    END_AT_ID: int = _f(-1, "Each completion ends at its first token of this id, that token included, as a sampler "
+                        "that stops there (the pad id taken for a stop token): the tokens after it leave the sequences "
+                        "the forward passes see and the loss (the rewards stay the round's); -1 = none. TRL has no "
+                        "setting for it.", min=-1)
     ADV_BASELINE: str = _f("group", "What each reward is centred on: its group's mean (`group`, TRL) or the mean of "
                            "the group's other completions (`loo`: leave-one-out, RLOO's and NeMo-RL's baseline; with "
                            "ADV_SCALE = group the std is the others' too, and a completion whose others are alike is "

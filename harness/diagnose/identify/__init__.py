@@ -20,6 +20,11 @@ up to each completion's length where said), reachable here as `identify.<name>`:
                                                                      clipping
     mask.py        mask(mask_rows, completion_ids, eos_ids, ...)     which tokens count in the loss, as a rule on
                                                                      token features (id, eos, position, truncation)
+    forward.py     forward(logps, prompts, completions, score, ...)  what the forward pass sees: step 1's log-probs
+                                                                     scored again at the initial weights under
+                                                                     candidate rules (ids hidden from attention,
+                                                                     positions, an id's log-prob 0, a completion's
+                                                                     end, raw logits, dtype)
     weighting.py   weighting(per_token_loss, mask, loss, ...)        how per-token losses become the loss (TRL's loss
                                                                      types, or a divisor)
     objective.py   objective(per_token_loss, advantages, logps, ...) the per-token objective: ratio form, KL estimator
@@ -31,7 +36,8 @@ and one entry `read(cell, earlier) -> list[Finding]`: that stage's readings at e
 findings of the stages read before it. steps.py says which completions each step's tensors are rows of; the numbers
 the stages share (snapping to round values, KL estimators, look-alike margins) are in numerics.py.
 
-`STAGES` holds the `read` functions in the order they run (the objective before the weighting: the weighting reads
+`STAGES` holds the `read` functions in the order they run (the forward pass before the mask: the mask reads
+completions ended where the forward stage found them ended; the objective before the weighting: the weighting reads
 the loss again without the KL term the objective found); `identify(cell)` runs them, applies the rules across steps
 and stages, and returns each stage's best reading in the chain's order (`CHAIN`). (A stage's function takes its
 module's name on this package: reach a module itself by `from harness.diagnose.identify.mask import ...`.)
@@ -44,6 +50,8 @@ import dataclasses
 from harness.diagnose.identify.advantages import advantages
 from harness.diagnose.identify.advantages import read as _read_advantages
 from harness.diagnose.identify.finding import Finding
+from harness.diagnose.identify.forward import forward
+from harness.diagnose.identify.forward import read as _read_forward
 from harness.diagnose.identify.mask import mask
 from harness.diagnose.identify.mask import read as _read_mask
 from harness.diagnose.identify.numerics import snap
@@ -58,14 +66,14 @@ from harness.diagnose.identify.selection import selection
 from harness.diagnose.identify.weighting import read as _read_weighting
 from harness.diagnose.identify.weighting import weighting
 
-__all__ = ["CHAIN", "Finding", "STAGES", "advantages", "identify", "mask", "objective", "optimizer", "pick",
+__all__ = ["CHAIN", "Finding", "STAGES", "advantages", "forward", "identify", "mask", "objective", "optimizer", "pick",
            "rewards_stage", "selection", "settings_of", "snap", "weighting", "words"]
 
 # the order the stages are read in: each `read(cell, earlier)` is given the findings of the ones before it
-STAGES = (_read_selection, _read_rewards, _read_advantages, _read_mask, _read_objective, _read_weighting,
-          _read_optimizer)
+STAGES = (_read_selection, _read_forward, _read_rewards, _read_advantages, _read_mask, _read_objective,
+          _read_weighting, _read_optimizer)
 # the chain's order, in which the findings are said
-CHAIN = ("selection", "rewards", "advantages", "mask", "weighting", "objective", "optimizer")
+CHAIN = ("selection", "rewards", "advantages", "mask", "forward", "weighting", "objective", "optimizer")
 
 
 def identify(cell) -> list[Finding]:

@@ -117,7 +117,16 @@ def _token_rule(left: set, completion_ids, eos: set, lengths, truncated, masks_t
 
 
 def read(cell, earlier: dict) -> list[Finding]:
-    """Your loss mask at every step that saved one row per completion."""
+    """Your loss mask at every step that saved one row per completion, each completion as far as your forward pass
+    takes it (the forward stage's END_AT_ID: the tokens after that id are in none of your sequences)."""
     spec = cell.spec
-    return [mask(s.tensors["mask"], s.completions, cell.eos_ids, spec, cell.pad_id, spec.MAX_TOKENS, step=s.step)
+    end = next((f.settings["END_AT_ID"] for f in earlier.get("forward", ()) if f.exact and "END_AT_ID" in f.settings),
+               -1)
+    return [mask(s.tensors["mask"], _ended(s.completions, end), cell.eos_ids, spec, cell.pad_id, spec.MAX_TOKENS,
+                 step=s.step)
             for s in steps(cell) if "mask" in s.tensors and _rows_of(s.tensors["mask"], len(s.completions))]
+
+
+def _ended(completions, end: int):
+    """Each completion through its first token of id `end` (-1: as it is)."""
+    return [c[:c.index(end) + 1] if end in c else c for c in completions] if end >= 0 else completions

@@ -1,0 +1,205 @@
+"""The forward stage: what your loop's forward pass sees, read from the log-probs it saved at step 1.
+
+Step 1's weights are the initial checkpoint's (every side starts from PARITY_INIT, and step 1's log-probs are taken
+before its update), so the completions can be scored again under candidate forward rules and set against yours:
+- the attention mask from token ids (a mask built as `ids != pad_id` hides a generated pad token from the tokens
+  after it; the eos, the prompt's too, for a loop whose pad is its eos), with positions counted over the mask or the
+  model's own (POSITIONS), or the token taken out of the sequence (MASK_TOKEN_DROP: a loop that packs without it);
+- a log-prob of 0 at one id (cross_entropy's ignore_index: LOGP_ZERO_ID), read off your tensors without a pass;
+- each completion ended at its first token of an id (a sampler that stops at the pad id: END_AT_ID): your log-probs
+  agree with TRL's through it and not after, and the tokens after it are not compared;
+- log-probs on the raw logits (LOGP_ON_RAW_LOGITS, at a temperature other than 1), another compute dtype (DTYPE).
+Which tokens the loss counts is the mask stage's (it reads completions ended as found here). The rule that
+reproduces your log-probs with the fewest switches is the finding; the others that reproduce them as well are said
+as what the run could not tell. Nothing is scored where your log-probs already agree with TRL's rule (one pass), and
+each other rule costs one batched pass of step 1's completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness.diagnose.fields import words as field_words
+from harness.diagnose.identify.finding import Finding
+from harness.diagnose.identify.steps import _rows_of, steps
+
+MOST_IDS = 4  # token ids tried as hidden from attention (the pad id and the eos first; the pad id also as an end)
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # a log-prob reproduced (a batch's padding moves fp32 ~1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A candidate forward rule: the spec fields of its pass, an id zeroed and an id that ends completions."""
+    passes: tuple = ()  # ((field, value), ...): the settings of the forward pass that scores it
+    zero: int = -1  # LOGP_ZERO_ID
+    end: int = -1  # END_AT_ID
+
+    @property
+    def settings(self) -> dict:
+        return {**dict(self.passes), **({"LOGP_ZERO_ID": self.zero} if self.zero >= 0 else {}),
+                **({"END_AT_ID": self.end} if self.end >= 0 else {})}
+
+
+def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -> Finding | None:
+    """Your log-probs `saved` (one row per completion, read up to its length) against `score(settings)` (the
+    completions scored at the initial weights under the built-in loop's forward switches, one list per row): None
+    where TRL's rule reproduces them; else the rule that does with the fewest switches, said with its look-alikes,
+    or that none does."""
+    tol = TOLERANCE.get(getattr(spec, "DTYPE", "float32"), 1e-4)
+    mine = [[float(x) for x in row[:len(c)]] + [float("nan")] * (len(c) - len(row)) for row, c in
+            zip(saved, completions)]
+    scored = {(): score({})}
+    off = _differing(mine, scored[()], tol)
+    if not any(off):
+        return None
+    zeros = _zeroed_ids(mine, scored[()], completions, off)
+    ids = _hidden_ids(prompts, completions, off, mine, zeros, pad_id, eos_ids)
+    rules = [Rule(p, z, e) for p in _passes(ids, eos_ids, spec) for z in (-1, *zeros)
+             for e in (-1, *(i for i in ids if i == pad_id and i not in eos_ids))]  # (a sampler stops at its pad id)
+    trl_off = max((abs(a - b) for m, t in zip(mine, scored[()]) for a, b in zip(m, t) if a == a), default=0.0)
+
+    def within(rule: Rule, fit: float) -> bool:  # another dtype: its own rounding, and far closer than TRL's rule
+        dtype = dict(rule.passes).get("DTYPE")
+        return fit <= tol if dtype is None else fit <= min(TOLERANCE.get(dtype, tol), trl_off / 10)
+
+    fits = []
+    for rule in rules:
+        if rule.passes not in scored:
+            scored[rule.passes] = score(dict(rule.passes))
+        fits.append((rule, *_fit(mine, scored[rule.passes], completions, rule, tol)))
+    # a rule that reproduces every token beats one that leaves some uncompared (an end), then the fewest switches
+    exact = sorted((x for x in fits if within(x[0], x[1])), key=lambda x: (x[2], len(x[0].settings), x[1]))
+    rows = sum(1 for o in off if o)
+    ev = {"rows": rows, "max_abs": trl_off, "rules_tried": len(fits), "passes": len(scored)}
+    if not exact:
+        closest = min(fits, key=lambda x: x[1])
+        said = _said(closest[0].settings) or "TRL's"
+        return Finding("forward", step, f"your loop's log-probs at step {step} differ from TRL's in {rows} of "
+                       f"{len(mine)} rows, and no forward rule tried reproduces them (closest: {said}, "
+                       f"{closest[1]:.3g} off)", {}, False, no_switch=True, evidence=ev)
+    best, fit, uncompared = exact[0]
+    alike = [r for r, _, u in exact[1:] if u == uncompared and len(r.settings) == len(best.settings)]
+    settles = tuple(k for k, v in best.settings.items() if all(r.settings.get(k) == v for r in alike))
+    unsettled = tuple(f"{_said(r.settings)} reproduces your log-probs as well (a look-alike at this step)"
+                      for r in alike[:3])
+    ids = [best.settings.get(k) for k in ("ATTENTION_HIDE_ID", "LOGP_ZERO_ID", "END_AT_ID")]
+    pad = f" ({pad_id} is the pad token's id)" if pad_id is not None and pad_id in ids else ""
+    return Finding("forward", step, f"your loop {_said(best.settings)}{pad}: it reproduces your log-probs at step {step} "
+                   f"({rows} of {len(mine)} rows part from TRL's; {fit:.2g} off)", best.settings, True,
+                   unsettled=unsettled, evidence={**ev, "alike": [r.settings for r in alike]}, settles=settles)
+
+
+def _said(settings: dict) -> str:
+    return "; ".join(field_words(k, v).removeprefix("your loop ") for k, v in settings.items())
+
+
+def _differing(mine, theirs, tol) -> list[list[int]]:
+    """Per row, the positions where your log-prob is not theirs within `tol` (a NaN of yours differs)."""
+    return [[t for t, (a, b) in enumerate(zip(m, th)) if not abs(a - b) <= tol] for m, th in zip(mine, theirs)]
+
+
+def _zeroed_ids(mine, theirs, completions, off) -> list[int]:
+    """The ids scored 0 where TRL's rule scores otherwise, each 0 wherever it stands (cross_entropy's ignore_index)."""
+    ids = {completions[i][t] for i, ts in enumerate(off) for t in ts if mine[i][t] == 0.0 and theirs[i][t] != 0.0}
+    return sorted(x for x in ids if all(m[t] == 0.0 for m, c in zip(mine, completions)
+                                        for t, tok in enumerate(c) if tok == x))
+
+
+def _hidden_ids(prompts, completions, off, mine, zeros, pad_id, eos_ids) -> list[int]:
+    """The token ids whose hiding (or a completion's end) could part your log-probs from TRL's: each stands before
+    the first differing position (a zeroed one aside) in every row that differs, and in no row that agrees with a
+    token after it; the pad id and the eos first, then the rarest; at most MOST_IDS."""
+    first = [next((t for t in ts if not (completions[i][t] in zeros and mine[i][t] == 0.0)), None)
+             for i, ts in enumerate(off)]
+    parted = [i for i, f in enumerate(first) if f is not None]
+    if not parted:
+        return []
+    ids = set.intersection(*(set(prompts[i]) | set(completions[i][:first[i]]) for i in parted))
+    for i, f in enumerate(first):
+        if f is None:
+            ids -= set(prompts[i]) | set(completions[i][:-1])
+    count = {x: sum(c.count(x) for c in completions) for x in ids}
+    return sorted(ids, key=lambda x: (x != pad_id, x not in eos_ids, count[x], x))[:MOST_IDS]
+
+
+def _passes(ids, eos_ids, spec) -> list[tuple]:
+    """The forward passes to score: TRL's, each id hidden from attention at either kind of positions (the eos as
+    EOS_ATTENTION: the prompt's too) or taken out of the sequence (MASK_TOKEN_DROP), the raw logits at a
+    temperature, the other dtype."""
+    out = [()]
+    for x in ids:
+        if x in eos_ids:
+            out += [(("EOS_ATTENTION", "mask"),), (("EOS_ATTENTION", "mask"), ("POSITIONS", "plain"))]
+        else:
+            out += [(("ATTENTION_HIDE_ID", x),), (("ATTENTION_HIDE_ID", x), ("POSITIONS", "mask")),
+                    (("MASK_TOKEN_ID", x), ("MASK_TOKEN_DROP", True))]  # (out of the sequence: packed without it)
+    if spec.TEMPERATURE != 1.0:
+        out.append((("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS),))
+    if getattr(spec, "MASTER_WEIGHTS", "float32") == "float32":
+        out.append((("DTYPE", "bfloat16" if spec.DTYPE == "float32" else "float32"),))
+    return list(dict.fromkeys(out))
+
+
+def _fit(mine, theirs, completions, rule: Rule, tol: float) -> tuple[float, int]:
+    """(the largest |yours - the rule's| over the tokens the rule scores, the tokens it leaves uncompared): through
+    the first `end` id where it ends a completion (the tokens after it are none of the rule's), a token taken out of
+    the sequence left out, an id zeroed scoring 0; inf where a token the rule scores is missing from yours, or where a completion the rule ends has your
+    log-probs after its end as if it went on (the rule is refuted there)."""
+    worst, uncompared = 0.0, 0
+    passes = dict(rule.passes)
+    dropped = passes.get("MASK_TOKEN_ID", -1) if passes.get("MASK_TOKEN_DROP") else -1  # (none of the loop's tokens)
+    for m, th, c in zip(mine, theirs, completions):
+        n = c.index(rule.end) + 1 if rule.end in c else len(c)
+        uncompared += len(c) - n + c[:n].count(dropped)
+        if n < len(c) and all(abs(a - b) <= tol for a, b in zip(m[n:], th[n:])):
+            return float("inf"), uncompared
+        for t in (t for t in range(n) if c[t] != dropped):
+            d = abs(m[t] - (0.0 if c[t] == rule.zero else th[t]))
+            if not d <= worst:  # (NaN: missing)
+                worst = d if d == d else float("inf")
+    return worst, uncompared
+
+
+def read(cell, earlier: dict) -> list[Finding]:
+    """Your forward pass, from the log-probs your loop saved at step 1 (the initial weights'): [] where it saved
+    none, or where TRL's rule reproduces them."""
+    first = next((s for s in steps(cell) if s.step == 1 and _rows_of(s.tensors.get("logps"), len(s.completions))),
+                 None)
+    if first is None or any("prompt_ids" not in cell.records[r] for r, _ in first.rows[:1]):
+        return []
+    prompts = [cell.records[r]["prompt_ids"][i] for r, i in first.rows]
+    found = forward(first.tensors["logps"], prompts, first.completions, _scorer(cell, prompts, first.completions),
+                    cell.spec, cell.pad_id, tuple(cell.eos_ids))
+    return [found] if found is not None else []
+
+
+def _scorer(cell, prompts, completions):
+    """score(settings) -> the completions' log-probs (one list per row) at the initial weights, under the built-in
+    loop's forward pass with `settings` on the cell's spec, in batches of its micro-batch size."""
+    import torch
+
+    from harness.experiment.models import autocast_for, checkpoint_dir, load_model
+    from harness.rollouts.generate import pad_left, pad_right
+    from scratch_grpo.train import completion_forward
+
+    spec, model = cell.spec, []
+
+    def score(settings: dict) -> list[list[float]]:
+        if not model:  # loaded once, at the first score
+            model.append(load_model(checkpoint_dir(spec), getattr(spec, "MASTER_WEIGHTS", "float32"), "cpu").eval())
+        s = dataclasses.replace(spec, **settings)
+        rules = {"masked_eos": tuple(cell.eos_ids) if s.EOS_ATTENTION == "mask" else (), "positions": s.POSITIONS,
+                 "hidden": (s.ATTENTION_HIDE_ID,) if s.ATTENTION_HIDE_ID >= 0 else (),
+                 "dropped": s.MASK_TOKEN_ID if s.MASK_TOKEN_ID >= 0 and s.MASK_TOKEN_DROP else None}
+        size = max(1, len(completions) // max(1, spec.GRAD_ACCUM))
+        out = []
+        for at in range(0, len(completions), size):
+            p_ids, p_mask = pad_left(prompts[at:at + size], cell.pad_id)
+            c_ids, c_mask = pad_right(completions[at:at + size], cell.pad_id)
+            with torch.no_grad(), autocast_for("cpu", s.DTYPE):
+                lp = completion_forward(model[0], p_ids, p_mask, c_ids, c_mask,
+                                        1.0 if s.LOGP_ON_RAW_LOGITS else s.TEMPERATURE, **rules)[0]
+            out += [row[:len(c)] for row, c in zip(lp.tolist(), completions[at:at + size])]
+        return out
+
+    return score
