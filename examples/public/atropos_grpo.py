@@ -115,9 +115,10 @@ def pad_data_to_good_offset(data, batch_size: int):
              for i in range(n)])
 
 
-def completion_rows(values: torch.Tensor, labels: torch.Tensor) -> list[list[float]]:  # parity: the tensors' rows
-    """Each row's values at its loss tokens (labels != -100), from its first completion token."""  # parity
-    return [values[r][labels[r] != -100].float().tolist() for r in range(labels.shape[0])]  # parity
+def completion_rows(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # parity: the tensors' rows
+    """Each row's values at its loss tokens (labels != -100), from its first completion token, zero-padded."""  # parity
+    rows = [values[r][labels[r] != -100].float() for r in range(labels.shape[0])]  # parity
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # parity
 
 
 def train(config: TrainingConfig) -> None:
@@ -160,7 +161,7 @@ def train(config: TrainingConfig) -> None:
             grpo_loss.backward()
             total_loss += grpo_loss.item()
             with torch.no_grad():  # parity: this micro-batch's rows, as the user reads them
-                saved["advantages"].append(advantages.view(-1).tolist())  # parity
+                saved["advantages"].append(advantages.view(-1).float())  # parity
                 saved["mask"].append(completion_rows(mask, labels))  # parity
                 saved["logps"].append(completion_rows(logp_per_token, labels))  # parity
                 saved["per_token_loss"].append(completion_rows(-grpo_loss_term * advantages, labels))  # parity
@@ -180,13 +181,8 @@ def train(config: TrainingConfig) -> None:
 
 
 def save_tensors(step: int, saved: dict, loss: float, grad_norm: float) -> None:  # parity
-    """The micro-batches' rows, each padded to its longest completion (rows of any width are read to their length)."""
-    def padded(rows: list[list[float]]) -> list[list[float]]:  # parity
-        width = max(len(r) for r in rows)  # parity
-        return [r + [0.0] * (width - len(r)) for r in rows]  # parity
-    parity.tensors(step, advantages=saved["advantages"], mask=[padded(m) for m in saved["mask"]],  # parity
-                   logps=[padded(m) for m in saved["logps"]],  # parity
-                   per_token_loss=[padded(m) for m in saved["per_token_loss"]], loss=loss, grad_norm=grad_norm)  # parity
+    """The micro-batches' tensors, in order (the harness stacks them back into rows and keeps their sizes)."""  # parity
+    parity.tensors(step, **saved, loss=loss, grad_norm=grad_norm)  # parity
 
 
 def main() -> None:
