@@ -34,7 +34,8 @@ Written down from the source before any run (what the explanation should find; t
 - schedule: transformers' "cosine" with int(768 x 0.03) = 23 warmup steps over a horizon of 768 steps (256 prompts x
   3 epochs): the rate climbs from 0 through all 12 steps (k / 23 x 1e-5 at step k + 1). TRL lr_scheduler_type =
   "cosine", warmup_steps = 23 (over max_steps = 768); the run's 12 steps end inside the warmup;
-- logged: `loss` (the step's, the KL included) and `reward` (the group's mean); no grad norm, no learning rate;
+- logged: `loss` (the step's, the KL included) and `reward` (the group's mean), no learning rate; the adaptation
+  adds the pre-clip `grad_norm` the contract's Probe needs (docs/your-loop.md), the engine's own;
 - 12 steps cannot show: the cosine's horizon past the warmup (only the warmup's slope acts: 23 and 768 are read as
   one rate per step); the clip (ratio 1); whether a temperature divides (TEMPERATURE = 1).
 """
@@ -99,7 +100,7 @@ class Engine:  # parity: DeepSpeed's engine in one process
             return  # parity
         self.steps += 1  # parity
         self.probe.before(self.steps)  # parity: the gradient before clipping
-        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)  # parity
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip).item()  # parity
         self.optimizer.step()  # parity
         self.probe.after(self.steps)  # parity
         self.lr_scheduler.step()  # parity
@@ -208,7 +209,8 @@ def main() -> None:
     for step, group in enumerate(groups_in_order(spec["STEPS"], cfgs.num_generations,  # parity
                                                  trainer.tokenizer.pad_token_id), start=1):  # parity
         train_info = trainer.train_step(group, step)
-        parity.log_step(step, loss=train_info["train/loss"], reward=train_info["train/reward"])  # parity: the logger
+        parity.log_step(step, loss=train_info["train/loss"], reward=train_info["train/reward"],  # parity: the logger
+                        grad_norm=trainer.actor_model.grad_norm)  # parity: the pre-clip norm the Probe needs
     parity.save_weights(trainer.actor_model.module)  # parity: the final weights
 
 
