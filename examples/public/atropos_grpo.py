@@ -130,7 +130,7 @@ def train(config: TrainingConfig) -> None:
     probe = parity.Probe(model)  # parity: a slice of the weights around each optimizer step
     for step in range(config.training_steps):
         total_loss = 0
-        total_pos_logp, total_neg_logp, total_pos, total_neg = 0, 0, 0, 0
+        total_pos_logp, total_neg_logp, total_logp, total_pos, total_neg = 0, 0, 0, 0, 0
         token_batches, label_batches, advantage_batches, temperature_batches = pad_data_to_good_offset(
             get_batch(step), config.batch_size)  # parity: one API batch per step, the harness's round
         saved = {"advantages": [], "mask": [], "logps": [], "per_token_loss": []}  # parity
@@ -149,10 +149,13 @@ def train(config: TrainingConfig) -> None:
                 pos = (advantages > 0).float()
                 neg = (advantages <= 0).float()
                 mask = mask.to(logp_per_token.dtype)
+                mask_sum = mask.sum(dim=-1).clamp_min(1e-8)
+                avg_logp = (logp_per_token * mask).sum(dim=-1) / mask_sum
                 pos_logp = (logp_per_token * pos).mean().item()
                 neg_logp = (logp_per_token * neg).mean().item()
                 total_pos_logp += pos_logp
                 total_neg_logp += neg_logp
+                total_logp += avg_logp
                 total_pos += pos.sum().item()
                 total_neg += neg.sum().item()
             grpo_loss_term = torch.exp(logp_per_token - logp_per_token.detach())
