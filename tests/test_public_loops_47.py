@@ -71,7 +71,7 @@ def test_atropos_constant_accumulation_divisor_is_named(atropos):
     """Each micro-batch's loss over gradient_accumulation_steps = 32 while a round holds 8 micro-batches of 2: the
     gradient is 8/32 of grpo's. The weighting stage must not say "as the spec's loss type does"."""
     weighting = next(f for f in atropos["identified"] if f["stage"] == "weighting")
-    assert "as the spec's loss type does" not in weighting["rule"] and "32" in _said(atropos), weighting
+    assert "as the spec's loss type does" not in weighting["rule"] and "32" in weighting["rule"], weighting
 
 
 @pytest.mark.xfail(strict=True, reason="forward pass: bf16 weights updated in bf16 (TRL bf16 with a bf16-loaded "
