@@ -621,6 +621,15 @@ def _other_notes(explained: dict, answer: dict) -> list[str]:
             if UNTOLD not in n and "cannot tell" not in n and n.split(": ", 1)[-1] not in rules]
 
 
+def _parting_before(sentence: str) -> str:
+    """The headline's parting, said as what it is: the logged metrics of your loop and of TRL as the spec sets it up,
+    before the answer's settings (a reader took "first on loss" for the dataflow's first link, which the chain shows)."""
+    first = sentence.split(". ")[0].rstrip(".")
+    if first.startswith("The two loops part"):
+        return "Before these settings, the logged metrics part" + first[len("The two loops part"):] + "."
+    return first + "."
+
+
 def write_parity_report(out_dir: str | Path) -> Path:
     from harness.diagnose.answer import short_value, your_loop_answer
     from harness.diagnose.compare import load_tolerances
@@ -639,7 +648,7 @@ def write_parity_report(out_dir: str | Path) -> Path:
     answer = your_loop_answer(doc)
     if answer and cells[0].get("explained"):  # your loop, explained: the answer first, the evidence folded below
         html = _env().get_template("yours.html.j2").render(
-            doc=doc, cells=cells, answer=answer, parting=headline(doc)["sentence"].split(". ")[0] + ".",
+            doc=doc, cells=cells, answer=answer, parting=_parting_before(headline(doc)["sentence"]),
             notes=_other_notes(cells[0]["explained"], answer), short_value=short_value, copy_script=COPY_SCRIPT)
         return _write_report(out_dir, html)
     cols, matrix_rows = _matrix_view(doc["cells"])

@@ -326,3 +326,13 @@ def test_settings_that_differ_come_from_the_preflight(parity_dir, tmp_path):
     assert "settings that differ (1, from the preflight)" in html
     run_matrix(small_spec("STEPS=2"), tmp_path, "none", log=lambda *_: None)
     assert "settings that differ" not in write_parity_report(tmp_path).read_text()
+
+
+def test_your_loops_parting_says_it_is_the_logged_metrics_before_the_answers_settings():
+    """A newcomer read "first on loss" beside a dataflow chain whose loss link was "same" as a contradiction: the
+    report on your loop says the parting is the logged metrics', before the settings it gives."""
+    from reports.render import _parting_before
+
+    assert (_parting_before("The two loops part at step 1, first on loss. Re-running the built-in loop found it.")
+            == "Before these settings, the logged metrics part at step 1, first on loss.")
+    assert _parting_before("Parity OK.") == "Parity OK."
