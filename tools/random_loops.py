@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.random_loops.score import score_seed  # noqa: E402
+from tests.random_loops.score import score_seed, verify_answer  # noqa: E402
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -54,13 +54,33 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def verify(seeds: list[int], out: Path) -> int:
+    path = out / "verify.jsonl"
+    done = load(path)
+    for k, seed in enumerate([s for s in seeds if s not in done], 1):
+        row = verify_answer(seed, out)
+        with path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        done[seed] = row
+        said = {None: "not checkable (a selection or an inexpressible choice)", True: "reproduces the loop",
+                False: "does NOT reproduce the loop"}[row["verified"]]
+        print(f"[{k}] seed {seed}: the answer {said}", flush=True)
+    rows = [r for r in done.values() if r["verified"] is not None]
+    print(f"answers checked: {sum(r['verified'] for r in rows)} of {len(rows)} reproduce their loop at parity")
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0-2", help="e.g. 0-199 or 0,5,9-12")
     ap.add_argument("--jobs", type=int, default=1, help="explanations run at once")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--verify", action="store_true", help="check the answers instead: the built-in loop set up as "
+                    "each answer says against its loop, parity expected (OUT/verify.jsonl)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.verify:
+        return verify(parse_seeds(args.seeds), args.out)
     results = args.out / "results.jsonl"
     done = load(results)
     todo = [s for s in parse_seeds(args.seeds) if s not in done]

@@ -199,3 +199,58 @@ def score_seed(seed: int, work: Path, keep: bool = True) -> dict:
     if run["rc"] not in (0, 1):
         row["tail"] = run["tail"]
     return row
+
+
+TRL_TO_SPEC = {"loss_type": ("LOSS_NORM", {"grpo": "sequence", "bnpo": "token_local", "dapo": "token_global",
+                                           "dr_grpo": "constant"}),
+               "scale_rewards": ("ADV_SCALE", None), "beta": ("BETA", None),
+               "use_bias_correction_kl": ("KL_IS_CORRECTION", None), "num_iterations": ("NUM_ITERATIONS", None),
+               "mask_truncated_completions": ("MASK_TRUNCATED", None), "learning_rate": ("LR", None),
+               "adam_beta2": ("ADAM_BETA2", None), "weight_decay": ("WEIGHT_DECAY", None),
+               "max_grad_norm": ("MAX_GRAD_NORM", None), "epsilon": ("CLIP_LOW", None),
+               "epsilon_high": ("CLIP_HIGH", None), "reward_weights": ("rewards.weights", None)}
+
+
+def answer_as_spec(answer: dict) -> list[str] | None:
+    """The answer as `--set` overrides of the built-in loop (the schedule as LR_STEPS, its rates); None where the
+    built-in loop cannot be set up from the answer alone (a selection: it replays the loop's own trained.jsonl)."""
+    if "SELECTION" in answer["quirks"] or answer["inexpressible"]:
+        return None
+    sets = {}
+    for key, value in answer["trl"].items():
+        if key in SCHEDULE_FIELDS:
+            continue
+        field, values = TRL_TO_SPEC[key]
+        sets[field] = values[value] if values else value
+    sched = answer["stated"]["schedule"]
+    extra = {k: v for k, v in sched.items() if k not in ("name", "warmup_steps", "horizon")}
+    if sched["name"] != "constant":
+        sets["LR_STEPS"] = schedule_rates(sched["name"], answer["stated"]["learning_rate"], sched["warmup_steps"],
+                                          sched["horizon"], extra)
+    sets.update(answer["quirks"])
+    return [f"{k}={json.dumps(v)}" for k, v in sets.items()]
+
+
+def verify_answer(seed: int, work: Path) -> dict:
+    """The built-in loop set up as the answer says, against the drawn loop: parity (exit 0) checks the answer itself,
+    independently of the explanation (which is not run when they agree)."""
+    from tests.random_loops.generator import generate
+
+    source, answer = generate(seed)
+    sets = answer_as_spec(answer)
+    if sets is None:
+        return {"seed": seed, "verified": None}
+    folder = work / f"verify-{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "loop.py").write_text(source)
+    cmd = [sys.executable, "-m", "harness", "parity", "--spec", str(SPEC), "--loop", f"python {folder / 'loop.py'}",
+           "--against", "scratch", "--steps", str(STEPS), "--matrix", "none", "--out", str(folder / "run"), "--force"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+    out = read_outputs(folder / "run")
+    return {"seed": seed, "verified": proc.returncode == 0, "rc": proc.returncode, "sets": sets,
+            "verdict": out and out["verdict"], "wall_s": round(time.time() - t0, 1),
+            "tail": "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]}
