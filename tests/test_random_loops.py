@@ -191,8 +191,8 @@ def test_the_scorer_takes_a_right_explanation_and_names_each_kind_of_miss():
 
 def test_the_scorer_fails_an_inexpressible_choice_whatever_the_verdict():
     answer = _answer({"adv_extra": "clamp_1"})
-    assert score(answer, _out(verdict="parity", status=None), RUN)["misses"] == \
-        ["inexpressible:advantages clamped to [-1, 1]"]
+    assert answer["inexpressible"] == [["adv_extra=clamp_1", "advantages clamped to [-1, 1]"]]
+    assert score(answer, _out(verdict="parity", status=None), RUN)["misses"] == ["inexpressible:adv_extra=clamp_1"]
 
 
 def test_the_scorer_wants_what_cannot_show_said_and_lets_unsure_fields_be_left_out():
@@ -201,6 +201,12 @@ def test_the_scorer_wants_what_cannot_show_said_and_lets_unsure_fields_be_left_o
     said = "objective: this run could not tell: the ratio is exactly 1: the clip bounds cannot act"
     assert score(answer, _out(text=said, verdict="parity", status=None), RUN)["right"]
     assert score(answer, _out(verdict="parity", status=None), RUN)["misses"] == ["cannot_show_unsaid:clip"]
+    logged = _answer({"loss_logged": "last_micro_batch"})
+    generic = "your logged loss is defined otherwise in value: or a mean over micro-batches logged in place of their sum"
+    assert score(logged, _out(verdict="parity", status=None, text=generic), RUN)["misses"] == \
+        ["logged_unsaid:last_micro-batch"]
+    assert score(logged, _out(verdict="parity", status=None, text="your loop logs the loss of its last\n    "
+                              "micro-batch only"), RUN)["right"]
     assert score(answer, _out(quirks={"STD_EPS": 1e-6}, text=said), RUN)["right"]  # both under the resolution
     assert score(answer, _out(quirks={"STD_EPS": 1e-3}, text=said), RUN)["misses"] == ["quirk_value:STD_EPS"]
     warm = _answer({"schedule": "constant_warmup_20"})
@@ -226,5 +232,5 @@ def test_a_sample_of_random_loops_through_the_explanation(tmp_path):
     assert not [r for r in rows if any(m.startswith("crash") for m in r["misses"])], report
     for r in rows:
         inexpressible = generate(r["seed"])[1]["inexpressible"]
-        assert all(f"inexpressible:{w}" in r["misses"] for w in inexpressible), report
+        assert all(f"inexpressible:{code}" in r["misses"] for code, _ in inexpressible), report
     assert sum(r["right"] for r in rows) >= 0.95 * len(rows), report

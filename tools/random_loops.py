@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.random_loops.score import score_seed, verify_answer  # noqa: E402
+from tests.random_loops.score import rescore, score_seed, verify_answer  # noqa: E402
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -77,10 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--verify", action="store_true", help="check the answers instead: the built-in loop set up as "
                     "each answer says against its loop, parity expected (OUT/verify.jsonl)")
+    ap.add_argument("--rescore", action="store_true", help="score OUT's finished seeds again from their run folders")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.verify:
         return verify(parse_seeds(args.seeds), args.out)
+    if args.rescore:  # the scorer changed: score the finished runs again, nothing re-run
+        rows = [rescore(row, args.out) for row in load(args.out / "results.jsonl").values()]
+        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (args.out / "summary.md").write_text(summary(rows))
+        print(summary(rows))
+        return 0
     results = args.out / "results.jsonl"
     done = load(results)
     todo = [s for s in parse_seeds(args.seeds) if s not in done]

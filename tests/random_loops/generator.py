@@ -41,7 +41,7 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         part = next(c[2] for c in STAGES[stage] if c[0] == name)
         trl.update(part.get("trl", {}))
         quirks.update(part.get("quirks", {}))
-        inexpressible += part.get("inexpressible", [])
+        inexpressible += [[f"{stage}={name}", words] for words in part.get("inexpressible", [])]
         cannot_show += [list(x) for x in part.get("cannot_show", [])]
         unsure += part.get("unsure", [])
         logged += [list(x) for x in part.get("logged", [])]

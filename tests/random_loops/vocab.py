@@ -165,7 +165,8 @@ STAGES: dict[str, list] = {
     ],
     "loss_logged": [
         _c("sum_of_micro_batches", 90),
-        _c("last_micro_batch", 10, logged=[("the loss logged for the last micro-batch only", "micro-batch")]),
+        _c("last_micro_batch", 10, logged=[("the loss logged for the last micro-batch only",
+                                                  "last micro-batch|one micro-batch|single micro-batch")]),
     ],
 }
 
