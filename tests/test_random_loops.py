@@ -189,6 +189,14 @@ def test_the_scorer_takes_a_right_explanation_and_names_each_kind_of_miss():
     assert score(answer, _out(verdict="parity", status=None), RUN)["misses"][0] == "parity_claimed"
 
 
+def test_a_drawn_choice_that_cannot_act_in_this_loop_is_not_asked_for():
+    """Completions with A = 0 left out change nothing where each completion's mean is divided by the round's count
+    and there is no KL (grpo's form): they add 0 either way; under dapo's token count they change the divisor."""
+    assert _answer({"adv_extra": "drop_zero_adv"})["inexpressible"] == []
+    assert _answer({"adv_extra": "drop_zero_adv", "agg": "dapo"})["inexpressible"][0][0] == "adv_extra=drop_zero_adv"
+    assert _answer({"forward": "ce_ignore_pad", "mask": "ids_ne_pad"})["inexpressible"] == []
+
+
 def test_the_scorer_fails_an_inexpressible_choice_whatever_the_verdict():
     answer = _answer({"adv_extra": "clamp_1"})
     assert answer["inexpressible"] == [["adv_extra=clamp_1", "advantages clamped to [-1, 1]"]]

@@ -45,6 +45,11 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         cannot_show += [list(x) for x in part.get("cannot_show", [])]
         unsure += part.get("unsure", [])
         logged += [list(x) for x in part.get("logged", [])]
+    moot = []  # drawn, but with no effect on this loop by construction: nothing to name
+    acts = {"adv_extra=drop_zero_adv": picked["agg"] in ("dapo", "bnpo_in_order") or picked["kl"] != "none",
+            "forward=ce_ignore_pad": picked["mask"] != "ids_ne_pad"}  # else a zero advantage or a pad id adds nothing
+    moot += [words for code, words in inexpressible if not acts.get(code, True)]
+    inexpressible = [[code, words] for code, words in inexpressible if acts.get(code, True)]
     if picked["passes"] == "1" or picked["passes"] == "2_old_each_pass":  # the ratio is 1 at every step
         for key in ("epsilon", "epsilon_high"):
             if key in trl:
@@ -62,7 +67,7 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
                          and not (s in DEPENDS and picked[DEPENDS[s][0]] == DEPENDS[s][1]))
     return {"seed": seed, "choices": picked, "differences": differences, "trl": trl, "quirks": quirks,
             "inexpressible": inexpressible, "cannot_show": cannot_show, "unsure": sorted(set(unsure)),
-            "logged": logged, "stated": stated}
+            "logged": logged, "moot": moot, "stated": stated}
 
 
 def generate(seed: int) -> tuple[str, dict]:
