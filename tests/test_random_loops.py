@@ -3,9 +3,10 @@
 (a) The generator: deterministic per seed; every drawn loop compiles, and a sample covering every choice of the
 vocabulary runs standalone (no harness: the contract's helpers fall back to defaults); the answer is checked against
 the loop's own source, not against the table that made it; the schedules' TRL fields give the loop's rates.
-(b) The scorer on outputs built by hand (what a right and a wrong explanation look like), and a sample of seeds
-through the harness's explanation (slow): no run may crash, a choice drawn on purpose as inexpressible is a failure
-whatever the verdict says, and the share right is measured, not recorded: the assertion is the issue's target.
+(b) The scorer on outputs built by hand (what a right and a wrong explanation look like), and ten fixed seeds
+through the harness's explanation (slow, run once for two tests): no run may crash and a choice drawn on purpose as
+inexpressible is a failure whatever the verdict says (passes); the share right is measured, not recorded, against
+the issue's 95% (fails until the rest of issue 47 lands: 5 of 10 today).
 """
 
 from __future__ import annotations
@@ -230,15 +231,30 @@ def test_the_scorer_wants_what_cannot_show_said_and_lets_unsure_fields_be_left_o
 CI_SEEDS = [int(s) for s in os.environ.get("RANDOM_LOOPS_CI_SEEDS", "0,1,2,3,4,5,6,7,8,9").split(",")]
 
 
+@pytest.fixture(scope="module")
+def sample_rows(tmp_path_factory):
+    """Ten fixed seeds through the harness's explanation (about 30 s each on 2 free cores, 5 min loaded): the answers
+    are computed from the drawn code, the verdicts come from the runs; nothing here is a recorded result."""
+    work = tmp_path_factory.mktemp("random-loops")
+    rows = [score_seed(s, work) for s in CI_SEEDS]
+    return rows, "\n".join(f"seed {r['seed']}: {'right' if r['right'] else '; '.join(r['misses'])}" for r in rows)
+
+
 @pytest.mark.slow
-def test_a_sample_of_random_loops_through_the_explanation(tmp_path):
-    """Ten seeds (about 30 s each on 2 cores): none may crash; a seed drawn with an inexpressible choice is scored
-    wrong with that choice named; the share right must reach the issue's 95%. The seeds are fixed, the answers are
-    computed from the drawn code, the verdicts come from the run: nothing here is a recorded result."""
-    rows = [score_seed(s, tmp_path) for s in CI_SEEDS]
-    report = "\n".join(f"seed {r['seed']}: {'right' if r['right'] else '; '.join(r['misses'])}" for r in rows)
+def test_a_sample_of_random_loops_runs_and_names_what_no_switch_reproduces(sample_rows):
+    """No explanation may crash (exit 0 or 1, a verdict written), and a seed drawn with a choice no switch
+    reproduces is scored wrong with that choice named, whatever the verdict says."""
+    rows, report = sample_rows
     assert not [r for r in rows if any(m.startswith("crash") for m in r["misses"])], report
     for r in rows:
         inexpressible = generate(r["seed"])[1]["inexpressible"]
         assert all(f"inexpressible:{code}" in r["misses"] for code, _ in inexpressible), report
+        assert r["right"] == (not r["misses"]), report
+
+
+@pytest.mark.slow
+def test_a_sample_of_random_loops_reaches_the_issues_target(sample_rows):
+    """Issue 47's bar: 95% of random loops right. Measured on the sample, not recorded: it fails until the
+    explanation reads what the sample's loops do (5 of 10 with the harness at 99ed853, 2026-12-07: docs/benchmarks.md)."""
+    rows, report = sample_rows
     assert sum(r["right"] for r in rows) >= 0.95 * len(rows), report
