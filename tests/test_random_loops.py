@@ -60,7 +60,7 @@ SOURCE_OF_QUIRK = {
     "MASK_TOKEN_ID": "(completion_ids != PAD)", "EOS_ATTENTION": "(ids != EOS)", "MICRO_BATCH_ORDER": "len(micro)",
     "LOSS_DIVISOR": "seq-mean-token-sum", "LOSS_SUM": "loss = (per_token * mask).sum()\n", "LOGP_OLD": "this pass",
     "WEIGHT_DECAY_ALL": "AdamW(model.parameters()", "SELECTION": "parity.trained(", "KL_ESTIMATOR": "kl = ",
-    "STD_EPS": "+ STD_EPS",
+    "STD_EPS": "+ STD_EPS", "LOGP_ZERO_ID": "ignore_index=PAD",
 }
 
 
@@ -196,6 +196,8 @@ def test_a_drawn_choice_that_cannot_act_in_this_loop_is_not_asked_for():
     assert _answer({"adv_extra": "drop_zero_adv"})["inexpressible"] == []
     assert _answer({"adv_extra": "drop_zero_adv", "agg": "dapo"})["inexpressible"][0][0] == "adv_extra=drop_zero_adv"
     assert _answer({"forward": "ce_ignore_pad", "mask": "ids_ne_pad"})["inexpressible"] == []
+    assert "LOGP_ZERO_ID" not in _answer({"forward": "ce_ignore_pad", "mask": "ids_ne_pad"})["quirks"]
+    assert _answer({"forward": "ce_ignore_pad"})["quirks"] == {"LOGP_ZERO_ID": 0}  # the pad id, a switch since 47
 
 
 def test_the_scorer_fails_an_inexpressible_choice_whatever_the_verdict():

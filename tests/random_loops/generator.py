@@ -46,8 +46,9 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         unsure += part.get("unsure", [])
         logged += [list(x) for x in part.get("logged", [])]
     moot = []  # drawn, but with no effect on this loop by construction: nothing to name
-    acts = {"adv_extra=drop_zero_adv": picked["agg"] in ("dapo", "bnpo_in_order") or picked["kl"] != "none",
-            "forward=ce_ignore_pad": picked["mask"] != "ids_ne_pad"}  # else a zero advantage or a pad id adds nothing
+    acts = {"adv_extra=drop_zero_adv": picked["agg"] in ("dapo", "bnpo_in_order") or picked["kl"] != "none"}
+    if picked["forward"] == "ce_ignore_pad" and picked["mask"] == "ids_ne_pad":  # the pad id is out of the loss
+        moot.append(f"log-prob 0 at the pad id {quirks.pop('LOGP_ZERO_ID')} (cross_entropy ignore_index)")
     moot += [words for code, words in inexpressible if not acts.get(code, True)]
     inexpressible = [[code, words] for code, words in inexpressible if acts.get(code, True)]
     if picked["passes"] == "1" or picked["passes"] == "2_old_each_pass":  # the ratio is 1 at every step
