@@ -19,11 +19,16 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
         r, a = _arr(rewards), _arr(adv)
         loo = _leave_one_out(r, a, group, spec, rtol, atol, step)
         # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
-        # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely
-        if loo is not None and (not found.exact or found.no_switch
-                                or _misfit(r, a, group, spec, loo.settings) < _misfit(r, a, group, spec, found.settings)):
+        # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely; misfits under
+        # FLOAT32_ALIKE are float32 rounding of the saved values, alike: then leave-one-out, which needs no epsilon
+        # (a fit's epsilon snapped to the digits its uncertainty allows can otherwise win by a rounding)
+        if loo is not None and (not found.exact or found.no_switch or _misfit(r, a, group, spec, loo.settings)
+                                < max(_misfit(r, a, group, spec, found.settings), FLOAT32_ALIKE)):
             return loo
     return found
+
+
+FLOAT32_ALIKE = 1e-6  # relative misfits below this are float32 rounding of the saved advantages (2^-23 ~ 1.2e-7 each)
 
 
 def _misfit(r, a, group: int, spec, settings: dict) -> float:
