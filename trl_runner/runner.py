@@ -9,8 +9,9 @@ What the harness adds to TRL, and nothing more:
 - optional: prompts truncated to MAX_PROMPT_TOKENS (TRL 1.16 has no max_prompt_length);
 - optional: completions from outside through TRL's own `rollout_func` (lockstep parity);
 - optional: the emulated sampler put where TRL calls vLLM (`trainer.vllm_generation`), so TRL's own
-  importance-sampling code runs; such runs are labelled `emulated sampler`; in free runs on vLLM, this process's
-  one vLLM engine (harness/rollouts/samplers.py) is put there the same way, instead of a second engine;
+  importance-sampling code runs; such runs are labelled `emulated sampler`; in free runs on vLLM with
+  `sampler.vllm_engine = "shared"`, this process's one vLLM engine (harness/rollouts/samplers.py) is put there the
+  same way, instead of a second engine;
 - optional (`tensor_steps`): the first steps' tensors along the dataflow, read from inside TRL, saved as the
   scratch loop saves its own (`tensors.jsonl`, rows in the rollout's order) for the tensor diff. See `TensorCapture`.
 """
