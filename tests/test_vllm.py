@@ -67,14 +67,42 @@ def _checkpoint(folder, **config):
     return str(folder)
 
 
+def _engine_loading(load):
+    """What VLLMSampler reaches into on a stand-in LLM: llm_engine...model_runner.model.load_weights = `load`."""
+    import types
+
+    model = types.SimpleNamespace(load_weights=load)
+    return types.SimpleNamespace(model_executor=types.SimpleNamespace(
+        driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
+
+
+def _one_token_each(prompts):
+    """A stand-in generate's outputs: token 3 at log-prob -0.5 for every prompt."""
+    import types
+
+    sample = types.SimpleNamespace(token_ids=[3], logprobs=[{3: types.SimpleNamespace(logprob=-0.5)}])
+    return [types.SimpleNamespace(outputs=[sample]) for _ in prompts]
+
+
+def _use_fake_vllm(monkeypatch, llm_class):
+    """`import vllm` gives a module of `llm_class` and a SamplingParams that keeps its fields; no engine built yet."""
+    import sys
+    import types
+
+    from harness.rollouts import samplers
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = llm_class, lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(samplers, "_ENGINE", {})
+
+
 def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight(monkeypatch, tmp_path):
     """VLLMSampler's own logic against a recording stand-in for the `vllm` module (the real engine runs on the GPU
     only): the engine is built once per (model shape, dtype, memory share) in a process, whatever checkpoint of that
     shape asks (the weights are pushed before each round), and rebuilt for another; every
     request carries a seed drawn from torch's generator, so a seeded round asks for the same seeds whatever came
     before; each parameter goes to load_weights under its module name, then the prefix cache is reset."""
-    import sys
-    import types
 
     import torch
 
@@ -94,10 +122,7 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
             assert kwargs["distributed_executor_backend"] == "external_launcher"
             assert kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's: log-probs after temperature
             built.append(kwargs)
-            model = types.SimpleNamespace(load_weights=lambda pairs: loaded.extend(n for n, _ in pairs))
-            runner = types.SimpleNamespace(model=model)
-            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
-                driver_worker=types.SimpleNamespace(model_runner=runner)))
+            self.llm_engine = _engine_loading(lambda pairs: loaded.extend(n for n, _ in pairs))
 
         def reset_prefix_cache(self):
             resets.append(1)
@@ -105,13 +130,9 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
         def generate(self, prompts, sampling_params, use_tqdm):
             params.append([p.seed for p in sampling_params])
             assert len(sampling_params) == len(prompts)
-            sample = types.SimpleNamespace(token_ids=[3], logprobs=[{3: types.SimpleNamespace(logprob=-0.5)}])
-            return [types.SimpleNamespace(outputs=[sample]) for _ in prompts]
+            return _one_token_each(prompts)
 
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr(samplers, "_ENGINE", {})
+    _use_fake_vllm(monkeypatch, LLM)
     spec = small_spec('sampler.kind="vllm"', 'sampler.vllm_engine="shared"')
 
     def draw():  # a lockstep round: seeded, the sampler (and, the first time, the engine) made inside it
@@ -155,7 +176,6 @@ def test_the_sampler_sleeps_between_generations_as_trl_does(monkeypatch, tmp_pat
     its weights before pushing them; a generation wakes the KV cache and sleeps again after; TRL's side, calling
     generate while asleep without a sync, gets the weights pushed first (as TRL's own generate does). With
     GPU_MEMORY_GB, the share is of that much memory."""
-    import sys
     import types
 
     import torch
@@ -167,9 +187,7 @@ def test_the_sampler_sleeps_between_generations_as_trl_does(monkeypatch, tmp_pat
     class LLM:
         def __init__(self, **kwargs):
             calls.append(("build", kwargs["enable_sleep_mode"], kwargs["gpu_memory_utilization"]))
-            model = types.SimpleNamespace(load_weights=lambda pairs: calls.append("load"))
-            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
-                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
+            self.llm_engine = _engine_loading(lambda pairs: calls.append("load"))
 
         def sleep(self, level):
             calls.append(f"sleep{level}")
@@ -182,13 +200,9 @@ def test_the_sampler_sleeps_between_generations_as_trl_does(monkeypatch, tmp_pat
 
         def generate(self, prompts, sampling_params, use_tqdm):
             calls.append("generate")
-            sample = types.SimpleNamespace(token_ids=[3], logprobs=[{3: types.SimpleNamespace(logprob=-0.5)}])
-            return [types.SimpleNamespace(outputs=[sample]) for _ in prompts]
+            return _one_token_each(prompts)
 
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr(samplers, "_ENGINE", {})
+    _use_fake_vllm(monkeypatch, LLM)
     monkeypatch.setattr(samplers.torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(samplers.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(samplers.torch.cuda, "empty_cache", lambda: None)
