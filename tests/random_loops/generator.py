@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 from tests.random_loops import template
-DEFAULT_BOOST = 1.8  # a typical loop differs from TRL in 0-4 places
-
 from tests.random_loops.vocab import DEPENDS, REQUIRES, SCHEDULES, STAGES
+
+DEFAULT_BOOST = 1.8  # a typical loop differs from TRL in 0-4 places
 
 
 def draw(seed: int) -> dict[str, str]:

@@ -23,7 +23,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from tests.random_loops.vocab import SCHEDULES, SPEC_TRL, STEPS
+from tests.random_loops.vocab import SPEC_TRL, STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "harness" / "specs" / "default.toml"

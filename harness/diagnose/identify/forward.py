@@ -143,8 +143,8 @@ def _passes(ids, eos_ids, spec) -> list[tuple]:
 def _fit(mine, theirs, completions, rule: Rule, tol: float) -> tuple[float, int]:
     """(the largest |yours - the rule's| over the tokens the rule scores, the tokens it leaves uncompared): through
     the first `end` id where it ends a completion (the tokens after it are none of the rule's), a token taken out of
-    the sequence left out, an id zeroed scoring 0; inf where a token the rule scores is missing from yours, or where a completion the rule ends has your
-    log-probs after its end as if it went on (the rule is refuted there)."""
+    the sequence left out, an id zeroed scoring 0; inf where a token the rule scores is missing from yours, or where
+    a completion the rule ends has your log-probs after its end as if it went on (the rule is refuted there)."""
     worst, uncompared = 0.0, 0
     passes = dict(rule.passes)
     dropped = passes.get("MASK_TOKEN_ID", -1) if passes.get("MASK_TOKEN_DROP") else -1  # (none of the loop's tokens)
