@@ -92,3 +92,16 @@ def test_rates_no_trl_schedule_gives_are_not_fitted_and_two_rates_tell_no_shape(
     two = {0: 1e-6, 1: 0.9e-6}  # linear over 10 steps? a cosine? two rates say only that they fall
     fit = fit_schedule(two, 12, 1e-3, {"LR": 1e-6})
     assert fit is None or fit.schedule in ("constant", "linear"), fit
+
+
+def test_a_warmup_through_the_run_read_from_noisy_rates_is_written_with_its_round_peak():
+    """A 23-step warmup to 1e-5 (align-anything's cosine over 768 steps, 3% warmup) seen over 12 steps through rates
+    read from the weights, each off by up to 0.9%: only the rise per step is told, and of the peaks and warmups that
+    give it the roundest is written: 1e-5 over 23 steps (the slope fitted to every rate, not the first rate alone,
+    which gave 5.2e-6 over 12)."""
+    from harness.diagnose.schedules import fit_schedule
+
+    noise = [0.0087, -0.002, 0.0001, 0.0015, -0.0016, 0.0002, 0.0009, 0.0006, -0.0003, -0.0022, -0.0012]
+    rates = {s: 1e-5 * s / 23 * (1 + e) for s, e in zip(range(1, 12), noise)}
+    fit = fit_schedule(rates, 12, 0.01, {"LR": 3e-3, "LR_SCHEDULE": "constant", "WARMUP_STEPS": 0})
+    assert fit is not None and (fit.peak, fit.schedule, fit.warmup) == (1e-5, "constant", 23), fit

@@ -144,8 +144,9 @@ def _own(stated: dict, at, y, tols, steps: int) -> ScheduleFit | None:
 
 def _warmups(at, y, steps: int, stated: dict, kind: str) -> list[int]:
     """The warmups worth trying for a warmup of this kind (see _warmup_kind), the likeliest first: the stated one,
-    the one a peak of the stated LR gives, for a warmup through the run the shortest whose peak is a round number,
-    then each step of the run."""
+    the one a peak of the stated LR gives, for a warmup through the run the shortest whose peak is a round number
+    (from the first rate, and from the rise per step fitted to every rate, within three of its standard errors: a
+    slope read from noisy rates still finds the round peak), then each step of the run."""
     out = [int(stated.get("WARMUP_STEPS", 0))]
     rising = [(s, r) for s, r in zip(at, y) if s > 0 and r > 0]
     lr, shift = stated.get("LR"), 1 if kind == "plus1" else 0
@@ -159,10 +160,23 @@ def _warmups(at, y, steps: int, stated: dict, kind: str) -> list[int]:
     elif rising:  # s / w x LR (transformers' own), (s + 1) / w x LR (cosine_warmup_with_min_lr's)
         s, r = rising[0]
         out += [round(lr * (s + shift) / r)] if lr else []
+        slope, rel = _slope([s + shift for s, _ in rising], [r for _, r in rising])
         for digits in (1, 2):  # a warmup through the run: its rate s / w x peak tells the ratio only
             out += [next((w for w in range(steps, 1000 * steps) if _digits(r * w / (s + shift), 1e-9) <= digits), 0)]
+            out += [next((w for w in range(steps, 1000 * steps) if _digits(slope * w, rel) <= digits), 0)]
     out += list(range(1, steps + 1))
-    return [w for w in dict.fromkeys(out) if w >= 0][:steps + 8]
+    return [w for w in dict.fromkeys(out) if w >= 0][:steps + 10]
+
+
+def _slope(x: list, r: list) -> tuple[float, float]:
+    """The rise per step of rates on a line through 0 (least squares) and its relative uncertainty (three standard
+    errors, at least 1e-9)."""
+    x, r = np.asarray(x, dtype=float), np.asarray(r, dtype=float)
+    slope = float(np.dot(x, r) / np.dot(x, x))
+    if len(x) < 2 or slope <= 0:
+        return slope, 1e-9
+    se = math.sqrt(float(np.sum((r - slope * x) ** 2)) / (len(x) - 1) / float(np.dot(x, x)))
+    return slope, max(3 * se / slope, 1e-9)
 
 
 def _warmup_kind(fam: _Family) -> str:

@@ -239,9 +239,11 @@ def _learning_rate(known: list, res: float, steps_total: int | None, spec=None) 
         else None
     if fit is not None and fit.warmup > known[-1][0]:  # a rise through every probed step: only its slope is read
         unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") rises through "
-                         "every probed step: its peak and its warmup are not told apart (" + _schedule_words(fit)
-                         + f" at {fit.peak:g} fits, as do others)")
-        return {}, ["steps Adam at a learning rate rising through every probed step"], unsettled
+                         "every probed step: only its rise per step is read, so its peak and its warmup are not told "
+                         f"apart (written as the roundest peak that gives it: {fit.peak:g} over {fit.warmup} steps; "
+                         f"{2 * fit.peak:g} over {2 * fit.warmup} fits as well), nor what follows the warmup")
+        return fit.settings(), [f"steps Adam at a learning rate rising through every probed step ({fit.peak:g} over "
+                                f"a warmup of {fit.warmup} steps, or any peak and warmup in that ratio)"], unsettled
     if fit is not None:
         settings.update(fit.settings())
         said = [f"steps Adam at a learning rate of {fit.peak:g} ({_schedule_words(fit)})"]
