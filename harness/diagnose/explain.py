@@ -35,6 +35,7 @@ from harness.diagnose.compare import steps_logged_words
 from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
                                             loss_in_value_words, suspected_words, write_table)
 from harness.diagnose.fitted import admissible, refused_words
+from harness.diagnose.identify.selection import implied as implied_selection
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
@@ -123,6 +124,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     t0 = time.perf_counter()
     cell_dir = Path(cell_dir)
     data = data if data is not None else cells.load(spec, cell_dir, result)  # the cell, read once
+    passes = implied_selection(data)  # several passes over each round, told by the rows your tensors hold
+    data = dataclasses.replace(data, trained=passes) if passes else data
     yours = data.yours  # (the cell's dtype: the clipping look-alikes count its norms after a float32 re-check too)
     root = cell_dir / "explain"
     if root.exists():
