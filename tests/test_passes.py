@@ -173,3 +173,33 @@ def test_the_advantages_of_a_round_in_an_order_of_its_own_are_read_in_its_groups
     read = next(f for f in identify.STAGES if f.__module__.endswith(".advantages"))  # (the forward stage came second)
     found = read(cell, {})
     assert len(found) == 1 and found[0].exact and found[0].settings.get("STD_EPS") == 0.01, found
+
+
+def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproducing_runs_losses():
+    """The hand example above (two micro-batches of two; the step's grpo loss 1.5, the last micro-batch's 2, or 1 as
+    it goes into backward) as the run that reproduces a loop saved it, one step: a logged 1 is the last
+    micro-batch's, 1.5 the step's, 0.7 neither. A step whose losses are all 0 tells nothing: alone it is untold, with
+    a step that tells, that step decides. A KL term of 0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the
+    per-token losses: a logged 1 (the last micro-batch's policy loss, the KL left out, as oat logs pg_loss) is read
+    only with the KL term named."""
+    from harness.diagnose.logged import loss_logged_as
+
+    spec = load_spec(DEFAULT_SPEC, ["LOSS_NORM=\"sequence\"", "DTYPE=\"float32\""])
+    ptl = [[1.0, 9.0], [1.0, 1.0, 1.0], [1.0, 1.0], [3.0, 3.0, 9.0]]
+    mask = [[1, 0], [1, 1, 1], [1, 1], [1, 1, 0]]
+    lengths = [2, 3, 2, 3]
+    ref = {1: {"per_token_loss": ptl, "mask": mask, "loss": 1.5}}
+    assert loss_logged_as({1: 1.0}, ref, {1: lengths}, 2, spec) == "last"
+    assert loss_logged_as({1: 1.5}, ref, {1: lengths}, 2, spec) == "step"
+    assert loss_logged_as({1: 0.7}, ref, {1: lengths}, 2, spec) == "other"
+    assert loss_logged_as({1: 1.5}, ref, {1: lengths}, 1, spec) == "step"  # one micro-batch: the step's own
+    zeros = {2: {"per_token_loss": [[0.0] * k for k in lengths], "mask": mask, "loss": 0.0}}
+    assert loss_logged_as({2: 0.0}, zeros, {2: lengths}, 2, spec) == "untold"
+    assert loss_logged_as({1: 1.0, 2: 0.0}, {**ref, **zeros}, {1: lengths, 2: lengths}, 2, spec) == "last"
+    assert loss_logged_as({1: 1.5, 2: 0.0}, {**ref, **zeros}, {1: lengths, 2: lengths}, 2, spec) == "step"
+    e = 0.36787944117144233  # k3 at logp 0, ref -1: exp(-1) + 1 - 1
+    with_kl = {1: {"per_token_loss": [[v + 0.1 * e for v in row] for row in ptl], "mask": mask, "loss": 1.5 + 0.1 * e,
+                   "logps": [[0.0] * k for k in lengths], "ref_logps": [[-1.0] * k for k in lengths]}}
+    assert loss_logged_as({1: 1.0}, with_kl, {1: lengths}, 2, spec) == "other"
+    assert loss_logged_as({1: 1.0}, with_kl, {1: lengths}, 2, spec, kl=("k3", 0.1, False)) == "last"
+    assert loss_logged_as({1: 1.5 + 0.1 * e}, with_kl, {1: lengths}, 2, spec, kl=("k3", 0.1, False)) == "step"
