@@ -203,3 +203,30 @@ def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproduc
     assert loss_logged_as({1: 1.0}, with_kl, {1: lengths}, 2, spec) == "other"
     assert loss_logged_as({1: 1.0}, with_kl, {1: lengths}, 2, spec, kl=("k3", 0.1, False)) == "last"
     assert loss_logged_as({1: 1.5 + 0.1 * e}, with_kl, {1: lengths}, 2, spec, kl=("k3", 0.1, False)) == "step"
+
+
+def test_passes_a_loop_does_not_name_are_read_from_the_rows_its_tensors_hold():
+    """Two rounds of four completions, lengths by hand: round 0 (3, 1, 2, 3), round 1 (3, 3, 3, 1). A loop that names
+    no selection saves at step 2 a mask counting (3, 1, 2, 3) tokens: round 1's last completion has 1 token, so the
+    rows cannot be round 1's (TRL's step 2 with one pass); they fit round 0: two passes over each round. A step 2
+    whose rows fit round 1 is left as TRL reads it; so is one that fits neither."""
+    import types
+
+    from harness.diagnose.identify.selection import implied
+
+    records = [{"completion_ids": [[5] * k for k in (3, 1, 2, 3)]}, {"completion_ids": [[5] * k for k in (3, 3, 3, 1)]}]
+    scores = ({"f": [1.0, 0.0, 0.0, 1.0]}, {"f": [0.0, 1.0, 1.0, 0.0]})
+    ones = lambda *ks: [[1] * k for k in ks]  # noqa: E731
+
+    def cell(mask2, rewards2=(1.0, 0.0, 0.0, 1.0), passes=1):
+        return types.SimpleNamespace(spec=types.SimpleNamespace(NUM_ITERATIONS=passes), trained=None, records=records,
+                                     scores=scores, tensors={1: {"mask": ones(3, 1, 2, 3), "rewards": [1.0, 0, 0, 1.0]},
+                                                             2: {"mask": mask2, "rewards": list(rewards2)}, 3: {"probe": 1}})
+    whole0 = [(0, i) for i in range(4)]
+    assert implied(cell(ones(3, 1, 2, 3))) == {1: whole0, 2: whole0}
+    assert implied(cell(ones(3, 1, 2, 2))) == {1: whole0, 2: whole0}  # (a mask that leaves a token out)
+    assert implied(cell(ones(3, 3, 3, 1), (0.0, 1.0, 1.0, 0.0))) is None  # round 1's: TRL's own
+    assert implied(cell(ones(3, 1, 2, 3), passes=2)) is None  # the spec's two passes already read it so
+    # round 0's completions 1 and 2 score alike (0) with rewards 1 and 0: not round 0's rewards
+    assert implied(cell(ones(3, 1, 2, 3), (1.0, 1.0, 0.0, 1.0))) is None
+    assert implied(cell(ones(4, 4, 4, 4))) is None  # more tokens than either round's completions: no fit
