@@ -178,7 +178,7 @@ def test_the_advantages_of_a_round_in_an_order_of_its_own_are_read_in_its_groups
 def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproducing_runs_losses():
     """The hand example above (two micro-batches of two; the step's grpo loss 1.5, the last micro-batch's 2, or 1 as
     it goes into backward) as the run that reproduces a loop saved it, one step: a logged 1 is the last
-    micro-batch's, 1.5 the step's, 0.7 neither. A step whose losses are all 0 tells nothing: alone it is untold, with
+    micro-batch's, 1.5 the step's, 0.7 neither, 0.75 one completion's (row 3: 6 over 8 max tokens). A step whose losses are all 0 tells nothing: alone it is untold, with
     a step that tells, that step decides. A KL term of 0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the
     per-token losses: a logged 1 (the last micro-batch's policy loss, the KL left out, as oat logs pg_loss) is read
     only with the KL term named."""
@@ -192,6 +192,9 @@ def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproduc
     assert loss_logged_as({1: 1.0}, ref, {1: lengths}, 2, spec) == "last"
     assert loss_logged_as({1: 1.5}, ref, {1: lengths}, 2, spec) == "step"
     assert loss_logged_as({1: 0.7}, ref, {1: lengths}, 2, spec) == "other"
+    # one completion's alone (a micro-batch of one in a shuffled order, as oat's): row 3's sum 6 over 8 max tokens
+    assert loss_logged_as({1: 0.75}, ref, {1: lengths}, 2, spec) == "last"
+    assert loss_logged_as({1: 0.76}, ref, {1: lengths}, 2, spec) == "other"
     assert loss_logged_as({1: 1.5}, ref, {1: lengths}, 1, spec) == "step"  # one micro-batch: the step's own
     zeros = {2: {"per_token_loss": [[0.0] * k for k in lengths], "mask": mask, "loss": 0.0}}
     assert loss_logged_as({2: 0.0}, zeros, {2: lengths}, 2, spec) == "untold"

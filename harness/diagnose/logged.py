@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
+
 from harness.diagnose.fields import toml_value, words
 
 
@@ -169,7 +171,7 @@ def loss_logged_as(logged: dict, ref: dict, lengths: dict, grad_accum: int, spec
         step_loss = _number(t.get("loss"))
         same = abs(value - step_loss) <= tol["atol"] + tol["rtol"] * abs(step_loss)
         read = [last_micro_batch(p, t["mask"], rows, value, grad_accum, spec.MAX_TOKENS, prefer, **tol, telling=True)
-                for p in losses]
+                or _one_completion(p, t["mask"], rows, value, spec.MAX_TOKENS, **tol) for p in losses]
         alike = any(last_micro_batch(p, t["mask"], rows, value, grad_accum, spec.MAX_TOKENS, prefer, **tol)
                     for p in losses)  # (the last micro-batch's gives it too: nothing told)
         if any(read) and not same:
@@ -179,6 +181,21 @@ def loss_logged_as(logged: dict, ref: dict, lengths: dict, grad_accum: int, spec
         elif not same and not alike:
             other += 1
     return "step" if own else "other" if other else "last" if last else "untold"
+
+
+def _one_completion(per_token_loss, mask_rows, lengths, value: float, max_tokens: int, rtol: float,
+                    atol: float) -> bool:
+    """Whether `value` is one completion's loss alone (a micro-batch of one, in any order: oat's shuffled
+    micro-batches): its masked per-token losses' mean, sum over `max_tokens`, or sum; never a loss of 0."""
+    if abs(value) <= 10 * atol:
+        return False
+    for row, m, k in zip(per_token_loss, mask_rows, lengths):
+        x, w = np.nan_to_num(np.asarray(row[:k], dtype=np.float64)), np.asarray(m[:k], dtype=np.float64)
+        total = float((x * w).sum())
+        if any(abs(v - value) <= atol + rtol * abs(value) for v in (total / max(float(w.sum()), 1.0),
+                                                                     total / max(max_tokens, 1), total)):
+            return True
+    return False
 
 
 def loss_logged_words(yours, ref: dict, records: list, spec, grad_accum: int) -> tuple[str | None, list[str]]:
@@ -199,7 +216,8 @@ def loss_logged_words(yours, ref: dict, records: list, spec, grad_accum: int) ->
                 "micro-batches (read at every step against the per-token losses of the run that reproduces yours: "
                 "logged otherwise than trained, not a difference in training)"), []
     if read == "untold":
+        zero = all(abs(v) <= 1e-6 for v in logged.values())
         return None, ["weighting: " + UNTOLD + "what your loop logs as its loss, the sum over its "
-                      f"{grad_accum} micro-batches or one micro-batch's loss alone: the two are alike at every step "
-                      "(a loss of 0, say)"]
+                      f"{grad_accum} micro-batches or one micro-batch's loss alone: the two are alike at every step"
+                      + (" (every loss it logs is 0 to rounding)" if zero else "")]
     return None, []
