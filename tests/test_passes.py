@@ -178,8 +178,8 @@ def test_the_advantages_of_a_round_in_an_order_of_its_own_are_read_in_its_groups
 def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproducing_runs_losses():
     """The hand example above (two micro-batches of two; the step's grpo loss 1.5, the last micro-batch's 2, or 1 as
     it goes into backward) as the run that reproduces a loop saved it, one step: a logged 1 is the last
-    micro-batch's, 1.5 the step's, 0.7 neither, 0.75 one completion's (row 3: 6 over 8 max tokens). A step whose losses are all 0 tells nothing: alone it is untold, with
-    a step that tells, that step decides. A KL term of 0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the
+    micro-batch's, 1.5 the step's, 0.7 neither, 0.75 one completion's (row 3: 6 over 8 max tokens). A step whose
+    losses are all 0 tells nothing: alone it is untold, with a step that tells, that step decides. A KL term of 0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the
     per-token losses: a logged 1 (the last micro-batch's policy loss, the KL left out, as oat logs pg_loss) is read
     only with the KL term named."""
     from harness.diagnose.logged import loss_logged_as
@@ -222,9 +222,10 @@ def test_passes_a_loop_does_not_name_are_read_from_the_rows_its_tensors_hold():
     ones = lambda *ks: [[1] * k for k in ks]  # noqa: E731
 
     def cell(mask2, rewards2=(1.0, 0.0, 0.0, 1.0), passes=1):
+        tensors = {1: {"mask": ones(3, 1, 2, 3), "rewards": [1.0, 0, 0, 1.0]}, 2: {"mask": mask2, "rewards": list(rewards2)},
+                   3: {"probe": 1}}  # (a step with the parameter slice alone: no rows to read)
         return types.SimpleNamespace(spec=types.SimpleNamespace(NUM_ITERATIONS=passes), trained=None, records=records,
-                                     scores=scores, tensors={1: {"mask": ones(3, 1, 2, 3), "rewards": [1.0, 0, 0, 1.0]},
-                                                             2: {"mask": mask2, "rewards": list(rewards2)}, 3: {"probe": 1}})
+                                     scores=scores, tensors=tensors)
     whole0 = [(0, i) for i in range(4)]
     assert implied(cell(ones(3, 1, 2, 3))) == {1: whole0, 2: whole0}
     assert implied(cell(ones(3, 1, 2, 2))) == {1: whole0, 2: whole0}  # (a mask that leaves a token out)

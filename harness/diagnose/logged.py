@@ -203,8 +203,6 @@ def loss_logged_words(yours, ref: dict, records: list, spec, grad_accum: int) ->
     loop set up as `spec`, every step saved; rows of whole rounds in the rollout's order): (the words where what you
     log is your last micro-batch's loss alone, []), (None, [what this run could not tell]) where no step tells the
     two apart, (None, []) otherwise."""
-    from harness.diagnose.answer import UNTOLD
-
     per_round = spec.NUM_ITERATIONS
     lengths = {s: [len(c) for c in records[(s - 1) // per_round]["completion_ids"]] for s in ref
                if (s - 1) // per_round < len(records)}
@@ -217,7 +215,7 @@ def loss_logged_words(yours, ref: dict, records: list, spec, grad_accum: int) ->
                 "logged otherwise than trained, not a difference in training)"), []
     if read == "untold":
         zero = all(abs(v) <= 1e-6 for v in logged.values())
-        return None, ["weighting: " + UNTOLD + "what your loop logs as its loss, the sum over its "
+        return None, ["weighting: this run could not tell: what your loop logs as its loss, the sum over its "
                       f"{grad_accum} micro-batches or one micro-batch's loss alone: the two are alike at every step"
                       + (" (every loss it logs is 0 to rounding)" if zero else "")]
     return None, []
