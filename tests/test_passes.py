@@ -180,8 +180,8 @@ def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproduc
     it goes into backward) as the run that reproduces a loop saved it, one step: a logged 1 is the last
     micro-batch's, 1.5 the step's, 0.7 neither, 0.75 one completion's (row 3: 6 over 8 max tokens). A step whose
     losses are all 0 tells nothing: alone it is untold, with a step that tells, that step decides. A KL term of
-    0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the per-token losses: a logged 1 (the last micro-batch's policy loss, the KL left out, as oat logs pg_loss) is read
-    only with the KL term named."""
+    0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the per-token losses: a logged 1 (the last
+    micro-batch's policy loss, the KL left out, as oat logs pg_loss) is read only with the KL term named."""
     from harness.diagnose.logged import loss_logged_as
 
     spec = load_spec(DEFAULT_SPEC, ["LOSS_NORM=\"sequence\"", "DTYPE=\"float32\""])
