@@ -210,12 +210,12 @@ def loss_logged_words(yours, ref: dict, records: list, spec, grad_accum: int) ->
     kl = (spec.KL_ESTIMATOR, spec.BETA, spec.KL_IS_CORRECTION) if spec.BETA and not spec.KL_IN_REWARD else None
     read = loss_logged_as(logged, ref, lengths, grad_accum, spec, kl)
     if read == "last":
-        return (f"your loop logs as its loss its last micro-batch's loss alone, not the sum over its {grad_accum} "
-                "micro-batches (read at every step against the per-token losses of the run that reproduces yours: "
+        return ("your loop logs as its loss its last micro-batch's loss alone, not the sum over its micro-batches "
+                "(read at every step against the per-token losses of the run that reproduces yours: "
                 "logged otherwise than trained, not a difference in training)"), []
     if read == "untold":
         zero = all(abs(v) <= 1e-6 for v in logged.values())
         return None, ["weighting: this run could not tell: what your loop logs as its loss, the sum over its "
-                      f"{grad_accum} micro-batches or one micro-batch's loss alone: the two are alike at every step"
+                      "micro-batches or one micro-batch's loss alone: the two are alike at every step"
                       + (" (every loss it logs is 0 to rounding)" if zero else "")]
     return None, []
