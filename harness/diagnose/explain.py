@@ -179,7 +179,9 @@ def _start(spec, data, result: dict, log) -> Start:
     opt = next((f for f in findings if f.stage == "optimizer" and f.readable), None)
     stated: dict = {}  # the schedule your log states, changed or not
     read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None, stated)
-    weights, weights_said = reward_weights_from_log(data.yours, base, list(data.scores))
+    passes = {k: v for f in findings if f.stage == "selection" for k, v in f.settings.items() if k == "NUM_ITERATIONS"}
+    weights, weights_said = reward_weights_from_log(data.yours, apply_alignment(base, {"set": passes}) if passes else
+                                                    base, list(data.scores))  # (each step's round, as your passes)
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
     outside_first = sorted(m for m, v in result.get("metrics", {}).items()
