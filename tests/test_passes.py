@@ -173,3 +173,64 @@ def test_the_advantages_of_a_round_in_an_order_of_its_own_are_read_in_its_groups
     read = next(f for f in identify.STAGES if f.__module__.endswith(".advantages"))  # (the forward stage came second)
     found = read(cell, {})
     assert len(found) == 1 and found[0].exact and found[0].settings.get("STD_EPS") == 0.01, found
+
+
+def test_what_a_loop_logs_as_its_loss_is_read_at_every_step_against_the_reproducing_runs_losses():
+    """The hand example above (two micro-batches of two; the step's grpo loss 1.5, the last micro-batch's 2, or 1 as
+    it goes into backward) as the run that reproduces a loop saved it, one step: a logged 1 is the last
+    micro-batch's, 1.5 the step's, 0.7 neither, 0.75 one completion's (row 3: 6 over 8 max tokens). A step whose
+    losses are all 0 tells nothing: alone it is untold, with a step that tells, that step decides. A KL term of
+    0.1 x k3 (log-probs 0, reference -1: e^-1 per token) in the per-token losses: a logged 1 (the last
+    micro-batch's policy loss, the KL left out, as oat logs pg_loss) is read only with the KL term named."""
+    from harness.diagnose.logged import loss_logged_as
+
+    spec = load_spec(DEFAULT_SPEC, ["LOSS_NORM=\"sequence\"", "DTYPE=\"float32\""])
+    ptl = [[1.0, 9.0], [1.0, 1.0, 1.0], [1.0, 1.0], [3.0, 3.0, 9.0]]
+    mask = [[1, 0], [1, 1, 1], [1, 1], [1, 1, 0]]
+    lengths = [2, 3, 2, 3]
+    ref = {1: {"per_token_loss": ptl, "mask": mask, "loss": 1.5}}
+    assert loss_logged_as({1: 1.0}, ref, {1: lengths}, 2, spec) == "last"
+    assert loss_logged_as({1: 1.5}, ref, {1: lengths}, 2, spec) == "step"
+    assert loss_logged_as({1: 0.7}, ref, {1: lengths}, 2, spec) == "other"
+    # one completion's alone (a micro-batch of one in a shuffled order, as oat's): row 3's sum 6 over 8 max tokens
+    assert loss_logged_as({1: 0.75}, ref, {1: lengths}, 2, spec) == "last"
+    assert loss_logged_as({1: 0.76}, ref, {1: lengths}, 2, spec) == "other"
+    assert loss_logged_as({1: 1.5}, ref, {1: lengths}, 1, spec) == "step"  # one micro-batch: the step's own
+    zeros = {2: {"per_token_loss": [[0.0] * k for k in lengths], "mask": mask, "loss": 0.0}}
+    assert loss_logged_as({2: 0.0}, zeros, {2: lengths}, 2, spec) == "untold"
+    assert loss_logged_as({1: 1.0, 2: 0.0}, {**ref, **zeros}, {1: lengths, 2: lengths}, 2, spec) == "last"
+    assert loss_logged_as({1: 1.5, 2: 0.0}, {**ref, **zeros}, {1: lengths, 2: lengths}, 2, spec) == "step"
+    e = 0.36787944117144233  # k3 at logp 0, ref -1: exp(-1) + 1 - 1
+    with_kl = {1: {"per_token_loss": [[v + 0.1 * e for v in row] for row in ptl], "mask": mask, "loss": 1.5 + 0.1 * e,
+                   "logps": [[0.0] * k for k in lengths], "ref_logps": [[-1.0] * k for k in lengths]}}
+    assert loss_logged_as({1: 1.0}, with_kl, {1: lengths}, 2, spec) == "other"
+    assert loss_logged_as({1: 1.0}, with_kl, {1: lengths}, 2, spec, kl=("k3", 0.1, False)) == "last"
+    assert loss_logged_as({1: 1.5 + 0.1 * e}, with_kl, {1: lengths}, 2, spec, kl=("k3", 0.1, False)) == "step"
+
+
+def test_passes_a_loop_does_not_name_are_read_from_the_rows_its_tensors_hold():
+    """Two rounds of four completions, lengths by hand: round 0 (3, 1, 2, 3), round 1 (3, 3, 3, 1). A loop that names
+    no selection saves at step 2 a mask counting (3, 1, 2, 3) tokens: round 1's last completion has 1 token, so the
+    rows cannot be round 1's (TRL's step 2 with one pass); they fit round 0: two passes over each round. A step 2
+    whose rows fit round 1 is left as TRL reads it; so is one that fits neither."""
+    import types
+
+    from harness.diagnose.identify.selection import implied
+
+    records = [{"completion_ids": [[5] * k for k in (3, 1, 2, 3)]}, {"completion_ids": [[5] * k for k in (3, 3, 3, 1)]}]
+    scores = ({"f": [1.0, 0.0, 0.0, 1.0]}, {"f": [0.0, 1.0, 1.0, 0.0]})
+    ones = lambda *ks: [[1] * k for k in ks]  # noqa: E731
+
+    def cell(mask2, rewards2=(1.0, 0.0, 0.0, 1.0), passes=1):
+        tensors = {1: {"mask": ones(3, 1, 2, 3), "rewards": [1.0, 0, 0, 1.0]}, 2: {"mask": mask2, "rewards": list(rewards2)},
+                   3: {"probe": 1}}  # (a step with the parameter slice alone: no rows to read)
+        return types.SimpleNamespace(spec=types.SimpleNamespace(NUM_ITERATIONS=passes), trained=None, records=records,
+                                     scores=scores, tensors=tensors)
+    whole0 = [(0, i) for i in range(4)]
+    assert implied(cell(ones(3, 1, 2, 3))) == {1: whole0, 2: whole0}
+    assert implied(cell(ones(3, 1, 2, 2))) == {1: whole0, 2: whole0}  # (a mask that leaves a token out)
+    assert implied(cell(ones(3, 3, 3, 1), (0.0, 1.0, 1.0, 0.0))) is None  # round 1's: TRL's own
+    assert implied(cell(ones(3, 1, 2, 3), passes=2)) is None  # the spec's two passes already read it so
+    # round 0's completions 1 and 2 score alike (0) with rewards 1 and 0: not round 0's rewards
+    assert implied(cell(ones(3, 1, 2, 3), (1.0, 1.0, 0.0, 1.0))) is None
+    assert implied(cell(ones(4, 4, 4, 4))) is None  # more tokens than either round's completions: no fit

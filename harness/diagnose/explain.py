@@ -35,6 +35,7 @@ from harness.diagnose.compare import steps_logged_words
 from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
                                             loss_in_value_words, suspected_words, write_table)
 from harness.diagnose.fitted import admissible, refused_words
+from harness.diagnose.identify.selection import implied as implied_selection
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
@@ -123,6 +124,8 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     t0 = time.perf_counter()
     cell_dir = Path(cell_dir)
     data = data if data is not None else cells.load(spec, cell_dir, result)  # the cell, read once
+    passes = implied_selection(data)  # several passes over each round, told by the rows your tensors hold
+    data = dataclasses.replace(data, trained=passes) if passes else data
     yours = data.yours  # (the cell's dtype: the clipping look-alikes count its norms after a float32 re-check too)
     root = cell_dir / "explain"
     if root.exists():
@@ -159,7 +162,9 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         return [_suspected(entry, answer, evidence, search, state, at, t0, log)]
     # every step agrees on what training computes: the whole comparison, as the cell was judged
     confirmation = _confirm(spec, data, search, state, answer, value_only, root)
-    _logged_why(confirmation.final, start.findings)
+    why, untold = _loss_logged(data, search, state, start.findings)
+    entry["notes"] += [why] if why else untold
+    _logged_why(confirmation.final, start.findings, why)
     evidence = confirmed_words(answer.trl, answer.quirks, at[0], confirmation.final, confirmation.by_trl,
                                escalated_from, spec_dtype)
     return [_confirmed(entry, answer, evidence, confirmation, search, state, at, t0, log)]
@@ -174,7 +179,9 @@ def _start(spec, data, result: dict, log) -> Start:
     opt = next((f for f in findings if f.stage == "optimizer" and f.readable), None)
     stated: dict = {}  # the schedule your log states, changed or not
     read, said, lr_ahead = settings_from_log(data.yours, base, opt.evidence.get("lrs") if opt else None, stated)
-    weights, weights_said = reward_weights_from_log(data.yours, base, list(data.scores))
+    passes = {k: v for f in findings if f.stage == "selection" for k, v in f.settings.items() if k == "NUM_ITERATIONS"}
+    weights, weights_said = reward_weights_from_log(data.yours, apply_alignment(base, {"set": passes}) if passes else
+                                                    base, list(data.scores))  # (each step's round, as your passes)
     read, said = {**read, **weights}, said + weights_said
     fd = result.get("first_divergence") or {}
     outside_first = sorted(m for m, v in result.get("metrics", {}).items()
@@ -614,15 +621,34 @@ def _trl_check(spec, trl: dict, data, folder: Path, value_only: int | None = Non
     return _loss_in_value_only(_against(candidate, data, folder / "trl"), value_only)["first_divergence"] is None
 
 
-def _logged_why(final: dict, findings) -> None:
-    """Where your loss differs in value alone and your tensors say what your loop logs as its loss (its last
-    micro-batch's, read by the weighting stage), that is said as the reason."""
-    why = next((f.evidence["logged_words"] for f in findings if f.stage == "weighting"
-                and f.evidence.get("logged_last_micro_batch")), None)
+def _logged_why(final: dict, findings, why: str | None = None) -> None:
+    """Where your loss differs in value alone and your tensors (the weighting stage) or every logged step (`why`) say
+    what your loop logs as its loss (its last micro-batch's), that is said as the reason."""
+    why = why or next((f.evidence["logged_words"] for f in findings if f.stage == "weighting"
+                       and f.evidence.get("logged_last_micro_batch")), None)
     if why and final.get("loss_in_value_only"):
         final["loss_in_value_only"]["why"] = why
         final["notes"] = [n for n in final.get("notes", []) if not n.startswith("your loss differs in value alone")] \
             + ["your loss differs in value alone: " + loss_in_value_words(final)]
+
+
+def _loss_logged(data, search: Search, state: Trial, findings) -> tuple[str | None, list[str]]:
+    """What your loop logs as its loss where its saved tensors did not say (the weighting stage reads the steps they
+    hold): every logged step against the per-token losses of the built-in loop that reproduces yours, rows in your
+    order (logged.loss_logged_words)."""
+    from harness.diagnose.logged import loss_logged_words
+    from harness.runlog.tensors import TENSORS_FILE, read_tensors
+
+    yours, changes = data.yours, state.changes
+    if any(f.evidence.get("logged_last_micro_batch") for f in findings) or yours is None or "loss" not in yours.columns:
+        return None, []
+    spec = apply_alignment(search.base, {"set": changes})
+    parts = next((t["micro_batches"] for t in data.tensors.values() if isinstance(t.get("micro_batches"), list)), None)
+    ga = len(parts) if parts and len(set(parts)) == 1 else spec.GRAD_ACCUM
+    if ga < 2 or spec.SELECTION or spec.STEPS_PER_GENERATION > 1:  # (rows of whole rounds only)
+        return None, []
+    return loss_logged_words(yours, read_tensors(search.tensors(changes, spec.STEPS) / TENSORS_FILE),
+                             list(data.records), spec, ga)
 
 
 def _against(spec, data, run: Path) -> dict:

@@ -108,7 +108,8 @@ FIELDS = {
         look_alike=_IS_MODES),
     "rewards.weights": Field("reward_weights", words=lambda v: f"weighs the reward functions {toml_value(list(v))}"),
     "NUM_ITERATIONS": Field("num_iterations", words=lambda v: f"trains each round in {v} optimizer passes, a whole "
-                                                             "round per step (read from harness.loop.trained)"),
+                                                             "round per step (read from harness.loop.trained, or from "
+                                                             "the rounds your saved tensors are rows of)"),
     # ---- quirks of hand-written loops: TRL has no setting (the built-in loop has a spec field for each) ----
     "STD_EPS": Field(None, (1e-8, 1e-6, 1e-5, 1e-3, 0.0), 1,
                      lambda v: f"adds {v:g} to the std before dividing (TRL: 1e-4, fixed)", trl_fixed=1e-4),

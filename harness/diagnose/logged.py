@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
+
 from harness.diagnose.fields import toml_value, words
 
 
@@ -139,3 +141,81 @@ def reward_weights_from_log(yours, spec, scores_by_round: list[dict]) -> tuple[d
     said = words("rewards.weights", w).removeprefix("your loop ")
     return {"rewards.weights": w}, [f"read from your loop's logged reward over {len(steps)} steps: {said} (the spec: "
                                     f"{spec_w})"]
+
+
+def loss_logged_as(logged: dict, ref: dict, lengths: dict, grad_accum: int, spec, kl: tuple | None = None) -> str:
+    """What your loop logs as its loss, read at every step against the per-token losses of the run that reproduces
+    your loop (the built-in loop's, `ref`: {step: its tensors, rows in your order}; `lengths`: {step: each row's
+    completion length}; `logged`: {step: your logged loss}), your rows cut into `grad_accum` micro-batches in that
+    order: "last" where at some step it is the last micro-batch's loss alone and not the step's, and no step's is the
+    step's alone; "step" where some step's is the step's own and no micro-batch's; "other" where some step's is
+    neither (logged otherwise still); "untold" where no step tells the two apart (every loss 0, say). `kl`:
+    (estimator, beta, ratio factor) of a KL term in the per-token losses: a loss logged without it (oat's pg_loss)
+    is read so as well."""
+    from harness.diagnose.identify.steps import _number, _rows_of, tolerance
+    from harness.diagnose.identify.weighting import _without_kl, last_micro_batch
+
+    if grad_accum < 2:  # one micro-batch: the step's loss is its last micro-batch's
+        return "step"
+    tol = {"rtol": 1e-4, "atol": 1e-7, **tolerance(spec)}
+    prefer = "sum" if getattr(spec, "LOSS_SUM", False) else getattr(spec, "LOSS_NORM", "sequence")
+    last = own = other = 0
+    for step, t in sorted(ref.items()):
+        value, rows = logged.get(step), lengths.get(step)
+        if value is None or not math.isfinite(value) or not rows or not (
+                _rows_of(t.get("per_token_loss"), len(rows)) and _rows_of(t.get("mask"), len(rows))):
+            continue
+        losses = [t["per_token_loss"]]
+        if kl and _rows_of(t.get("logps"), len(rows)) and _rows_of(t.get("ref_logps"), len(rows)):
+            losses.append(_without_kl(t, kl))
+        step_loss = _number(t.get("loss"))
+        same = abs(value - step_loss) <= tol["atol"] + tol["rtol"] * abs(step_loss)
+        read = [last_micro_batch(p, t["mask"], rows, value, grad_accum, spec.MAX_TOKENS, prefer, **tol, telling=True)
+                or _one_completion(p, t["mask"], rows, value, spec.MAX_TOKENS, **tol) for p in losses]
+        alike = any(last_micro_batch(p, t["mask"], rows, value, grad_accum, spec.MAX_TOKENS, prefer, **tol)
+                    for p in losses)  # (the last micro-batch's gives it too: nothing told)
+        if any(read) and not same:
+            last += 1
+        elif same and not alike and abs(value) > 10 * tol["atol"]:
+            own += 1
+        elif not same and not alike:
+            other += 1
+    return "step" if own else "other" if other else "last" if last else "untold"
+
+
+def _one_completion(per_token_loss, mask_rows, lengths, value: float, max_tokens: int, rtol: float,
+                    atol: float) -> bool:
+    """Whether `value` is one completion's loss alone (a micro-batch of one, in any order: oat's shuffled
+    micro-batches): its masked per-token losses' mean, sum over `max_tokens`, or sum; never a loss of 0."""
+    if abs(value) <= 10 * atol:
+        return False
+    for row, m, k in zip(per_token_loss, mask_rows, lengths):
+        x, w = np.nan_to_num(np.asarray(row[:k], dtype=np.float64)), np.asarray(m[:k], dtype=np.float64)
+        total = float((x * w).sum())
+        if any(abs(v - value) <= atol + rtol * abs(value) for v in (total / max(float(w.sum()), 1.0),
+                                                                     total / max(max_tokens, 1), total)):
+            return True
+    return False
+
+
+def loss_logged_words(yours, ref: dict, records: list, spec, grad_accum: int) -> tuple[str | None, list[str]]:
+    """`loss_logged_as` on your logged loss and the tensors `ref` of the run that reproduces your loop (the built-in
+    loop set up as `spec`, every step saved; rows of whole rounds in the rollout's order): (the words where what you
+    log is your last micro-batch's loss alone, []), (None, [what this run could not tell]) where no step tells the
+    two apart, (None, []) otherwise."""
+    per_round = spec.NUM_ITERATIONS
+    lengths = {s: [len(c) for c in records[(s - 1) // per_round]["completion_ids"]] for s in ref
+               if (s - 1) // per_round < len(records)}
+    logged = {int(s): float(v) for s, v in yours["loss"].dropna().astype(float).items()}
+    kl = (spec.KL_ESTIMATOR, spec.BETA, spec.KL_IS_CORRECTION) if spec.BETA and not spec.KL_IN_REWARD else None
+    read = loss_logged_as(logged, ref, lengths, grad_accum, spec, kl)
+    if read == "last":
+        return ("your loop logs as its loss its last micro-batch's loss alone, not the sum over its micro-batches "
+                "(read at every step against the per-token losses of the run that reproduces yours: "
+                "logged otherwise than trained, not a difference in training)"), []
+    if read == "untold":
+        zero = all(abs(v) <= 1e-6 for v in logged.values())
+        return None, ["weighting: this run could not tell: what your loop logs as its loss, the sum over its "
+                      "micro-batches or one micro-batch's loss alone: the two are alike at every step"
+                      + (" (every loss it logs is 0 to rounding)" if zero else "")]
+    return None, []

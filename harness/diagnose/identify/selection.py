@@ -153,3 +153,57 @@ def read(cell, earlier: dict) -> list[Finding]:
                       spec.NUM_ITERATIONS, round_rewards, [[len(c) for c in rec["completion_ids"]] for rec in records],
                       [[not c or c[-1] not in eos for c in rec["completion_ids"]] for rec in records],
                       cell.trained_path)]
+
+
+def implied(cell) -> dict | None:
+    """Where your loop names no selection (harness.loop.trained), the rounds its saved tensors are rows of, read from
+    them: {step: the whole round, in the rollout's order} for each step saved, where some step's rows cannot be its
+    round under the spec's NUM_ITERATIONS ((s - 1) // NUM_ITERATIONS) and an earlier round fits them, and the steps
+    read so are whole rounds, each trained at several steps in a row (a loop with several passes over each round
+    that does not say so: TRL's num_iterations); None otherwise. A round fits a step's rows where each row's mask
+    counts no more tokens than that round's completion has, and completions scored alike by every reward function
+    get the same reward; of several earlier rounds that fit, the one whose completions' lengths are nearest the
+    mask's, where that is one."""
+    if cell.trained or not cell.tensors or not cell.records:
+        return None
+    per_round = max(int(getattr(cell.spec, "NUM_ITERATIONS", 1)), 1)
+    sizes = [len(rec["completion_ids"]) for rec in cell.records]
+    rounds, moved = {}, False
+    for step in sorted(s for s, t in cell.tensors.items() if isinstance(t.get("mask"), list)):  # (rows to read)
+        own = (step - 1) // per_round
+        fits = {r: d for r in range(min(own + 1, len(sizes))) if (d := _misfit(cell, step, r)) is not None}
+        if own in fits or not fits:
+            if own >= len(sizes):
+                return None
+            rounds[step] = own
+            continue
+        best = min(fits.values())
+        nearest = [r for r, d in fits.items() if d == best]
+        if len(nearest) != 1:
+            return None
+        rounds[step], moved = nearest[0], True
+    chosen = {s: [(r, i) for i in range(sizes[r])] for s, r in rounds.items()}
+    return chosen if moved and _passes(chosen, sizes, per_round) > 1 else None
+
+
+def _misfit(cell, step: int, r: int) -> int | None:
+    """How far round `r`'s completion lengths are from the tokens step `step`'s mask counts (the sum of the row-by-row
+    gaps), or None where round `r` cannot be that step's rows: another number of rows, a row whose mask counts more
+    tokens than its completion has, or two completions scored alike by every reward function with other rewards."""
+    t, comps = cell.tensors[step], cell.records[r]["completion_ids"]
+    mask, rewards = t.get("mask"), t.get("rewards")
+    if not isinstance(mask, list) or len(mask) != len(comps):
+        return None
+    counts = [int(round(sum(float(v) for v in row))) if isinstance(row, list) else -1 for row in mask]
+    if any(c < 0 or c > len(ids) for c, ids in zip(counts, comps)):
+        return None
+    scores = cell.scores[r] if r < len(cell.scores) else None
+    if isinstance(rewards, list) and len(rewards) == len(comps) and scores:
+        seen: dict = {}
+        for i, value in enumerate(rewards):
+            key = tuple(col[i] for col in scores.values())
+            if None in key or not isinstance(value, (int, float)) or value != value:
+                continue
+            if abs(seen.setdefault(key, float(value)) - float(value)) > 1e-6 * max(1.0, abs(float(value))):
+                return None
+    return sum(len(ids) - c for c, ids in zip(counts, comps))
