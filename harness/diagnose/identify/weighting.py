@@ -196,7 +196,7 @@ def read(cell, earlier: dict) -> list[Finding]:
         if kl and weak:  # what it logs may leave the KL term out (verl logs it apart)
             w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), s.lengths, ga, spec.MAX_TOKENS, spec,
                            step=s.step, **tol)
-            if w2.exact and not w2.no_switch:
+            if _strength(w2) < _strength(w):  # (a count of its own with the KL term beats a bare number without)
                 w = dataclasses.replace(w2, rule=w2.rule + "; what it logs as its loss leaves the KL term out "
                                         "(logged otherwise than trained: not a difference in training)",
                                         same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
@@ -211,6 +211,14 @@ def read(cell, earlier: dict) -> list[Finding]:
                                     settles=w.settles + ("GRAD_ACCUM",) if w.settles else ())
         found.append(w)
     return found
+
+
+def _strength(w: Finding) -> int:
+    """How much a weighting reading says, least first: a loss type, a divisor that is a count (of its completions,
+    its tokens), a constant divisor of no count, no reading."""
+    if not w.exact or w.no_switch:
+        return 3
+    return 0 if "LOSS_DIVISOR" not in w.settings else 1 if w.evidence.get("count") else 2
 
 
 def _without_kl(t: dict, kl) -> list[list[float]]:
