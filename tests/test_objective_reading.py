@@ -89,3 +89,24 @@ def test_a_divisor_with_the_last_micro_batch_logged_is_settled():
     w = _found(_steps(0.0, last_only=True))["weighting"]
     assert w.exact and w.settings == {"LOSS_DIVISOR": 4.0} and "LOSS_DIVISOR" in w.settles, w
     assert "last micro-batch" in w.rule, w
+
+
+def test_a_run_whose_ratio_is_1_throughout_says_the_clip_bounds_cannot_show():
+    """One pass per round (num_iterations 1, one step per generation): the policy ratio is 1 at every step, so no
+    clip bound can act and the run cannot tell your loop's; said with TRL's names and values. Not said with two
+    passes (TRL's ratio leaves 1 at the second), nor where your loop's saved old log-probs differ from its own (its
+    ratio leaves 1), but said again with LOGP_OLD = "current" (old log-probs taken again before each pass)."""
+    from harness.diagnose.showable import ratio_one_words
+
+    spec = types.SimpleNamespace(NUM_ITERATIONS=1, STEPS_PER_GENERATION=1, LOGP_OLD="auto", CLIP_LOW=0.2,
+                                 CLIP_HIGH=0.28, DELTA=0.0)
+    same = {1: {"logps": [[-1.0, -2.0], [-0.5]], "old_logps": [[-1.0, -2.0], [-0.5]]}}
+    said = ratio_one_words(spec, same)
+    assert said and "could not tell" in said and "clip" in said and "epsilon_high = 0.28" in said, said
+    assert "delta" not in said  # (off in the spec: not named)
+    assert ratio_one_words(spec, {}) is not None  # no tensors saved: the spec's ratio alone
+    apart = {1: same[1], 2: {"logps": [[-1.0, -2.0]], "old_logps": [[-1.1, -2.0]]}}
+    assert ratio_one_words(spec, apart) is None
+    two = types.SimpleNamespace(**{**vars(spec), "NUM_ITERATIONS": 2})
+    assert ratio_one_words(two, same) is None
+    assert ratio_one_words(types.SimpleNamespace(**{**vars(two), "LOGP_OLD": "current"}), same) is not None

@@ -280,6 +280,7 @@ def headline(doc: dict) -> dict:
             if c.get("cannot_show") and _shown_in_float32(c):
                 within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
                           "pair in float32 parts")
+            items += [f"{_capital(u)}." for u in c.get("untold") or ()]  # what agreeing here cannot show
             if c.get("defined_differently"):
                 from harness.diagnose.explain_words import defined_differently_words
 
