@@ -110,3 +110,14 @@ def test_a_run_whose_ratio_is_1_throughout_says_the_clip_bounds_cannot_show():
     two = types.SimpleNamespace(**{**vars(spec), "NUM_ITERATIONS": 2})
     assert ratio_one_words(two, same) is None
     assert ratio_one_words(types.SimpleNamespace(**{**vars(two), "LOGP_OLD": "current"}), same) is not None
+
+
+def test_a_divisor_is_not_read_from_the_last_micro_batch_where_the_others_sum_to_nearly_0():
+    """The first micro-batch's sums cancel to within a count's margin (1e-3 of the last's): the step's loss and the
+    last micro-batch's are the same divisor apart, so nothing tells what is logged."""
+    ptl = [[1.0, 1.0], [-1.0, -1.0 + 1e-6], [1.0, 2.0, 3.0], [2.0, 2.0]]  # last: sums 6, 4 (no loss type gives 2.5)
+    mask = [[1, 1], [1, 1], [1, 1, 1], [1, 1]]
+    lengths = [2, 2, 3, 2]
+    assert last_micro_batch(ptl, mask, lengths, 10.0 / 4, 2, 8, telling=True) is None
+    ptl[1] = [-1.0, 0.0]  # the first micro-batch sums to 1: it tells
+    assert last_micro_batch(ptl, mask, lengths, 10.0 / 4, 2, 8, telling=True) == ("divisor:4", 1)

@@ -139,7 +139,10 @@ def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum
             if abs(values[k] / f - loss) <= atol + rtol * abs(loss):
                 return k, f
     # a divisor of its own that is a count of the step (verl's seq-mean-token-sum: the sum over its completions)
-    d = float(sl.sum()) / float(loss) if abs(float(loss)) > 10 * atol else 0.0
+    # (only where the step's sum and the last micro-batch's differ by more than a count's own margin: else either
+    # reads as the same divisor, and nothing tells what is logged)
+    apart = abs(float(sums.sum()) - float(sl.sum())) > 1e-3 * abs(float(sl.sum()))
+    d = float(sl.sum()) / float(loss) if apart and abs(float(loss)) > 10 * atol else 0.0
     named = _count(d, counts, lengths, n, max_tokens, grad_accum) if d > 0 else None
     return (f"divisor:{d:.5g}", 1) if named else None
 
