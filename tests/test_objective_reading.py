@@ -121,3 +121,15 @@ def test_a_divisor_is_not_read_from_the_last_micro_batch_where_the_others_sum_to
     assert last_micro_batch(ptl, mask, lengths, 10.0 / 4, 2, 8, telling=True) is None
     ptl[1] = [-1.0, 0.0]  # the first micro-batch sums to 1: it tells
     assert last_micro_batch(ptl, mask, lengths, 10.0 / 4, 2, 8, telling=True) == ("divisor:4", 1)
+
+
+def test_your_loop_at_parity_says_what_the_run_could_not_tell():
+    """The headline of your loop at parity lists the cell's `untold` (the clip bounds at a ratio of 1), capitalised,
+    one item each; a cell without it lists nothing."""
+    from harness.diagnose.verdict import headline
+
+    cell = {"name": "yours-vs-trl", "sides": ["yours", "trl"], "verdict": "parity", "first_divergence": None,
+            "untold": ["this run could not tell your loop's clip bounds (TRL's epsilon = 0.2)"]}
+    said = headline({"cells": [cell], "mode": "lockstep"})
+    assert said["items"] == ["This run could not tell your loop's clip bounds (TRL's epsilon = 0.2)."], said
+    assert headline({"cells": [{**cell, "untold": []}], "mode": "lockstep"})["items"] == []

@@ -254,6 +254,12 @@ def _parting(c: dict) -> str:
             "at every compared step.")
 
 
+def _untold_items(cell: dict) -> list[str]:
+    """What your loop's parity cannot show (matrix: the cell's `untold`, e.g. clip bounds at a ratio of 1), one item
+    each."""
+    return [f"{_capital(u)}." for u in cell.get("untold") or ()]
+
+
 def headline(doc: dict) -> dict:
     """The report's first words: one plain sentence, and what to change, one line per cause."""
     cells = doc.get("cells", [])
@@ -280,12 +286,11 @@ def headline(doc: dict) -> dict:
             if c.get("cannot_show") and _shown_in_float32(c):
                 within = (f"on every step within tolerance in {c['precision'].get('dtype')} (lockstep mode); the same "
                           "pair in float32 parts")
-            items += [f"{_capital(u)}." for u in c.get("untold") or ()]  # what agreeing here cannot show
             if c.get("defined_differently"):
                 from harness.diagnose.explain_words import defined_differently_words
 
                 items.append("Only statistics part: " + defined_differently_words(c["defined_differently"], c) + ".")
-            return {"sentence": f"The two loops agree {within}.", "items": items}
+            return {"sentence": f"The two loops agree {within}.", "items": items + _untold_items(c)}
         sentence = _parting(c)
         detail = c.get("attribution_detail") or []
         confirmed = [d for d in detail if d.get("status") == "confirmed"]
