@@ -75,6 +75,7 @@ def finished_cell(c, cells: dict) -> bool:
                                                   for m in metrics.values())
             and c.get("sides", list(cells[c["name"]].sides)) == list(cells[c["name"]].sides)
             and isinstance(c.get("notes", []), list) and isinstance(c.get("cannot_show", ""), str)
+            and isinstance(c.get("untold", []), list) and all(isinstance(u, str) for u in c.get("untold", []))
             and isinstance(c.get("updates", {}), dict) and all(
                 isinstance(u, dict) and _number(u.get("unchanged")) and _number(u.get("median_rel"))
                 for u in c.get("updates", {}).values())
