@@ -215,7 +215,8 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
         said = "; ".join(f"at step {f.step}: {f.rule.removeprefix('your loop ')}" for f in others[:2])
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
-    return best
+    # (what a step could not see served the comparison across steps only)
+    return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items() if k != "unseen"})
 
 
 def _differ(f: Finding, best: Finding) -> bool:
