@@ -22,7 +22,8 @@ from harness.diagnose.backends import InProcess, WorkerDied, make_backend
 from harness.diagnose.explain import explain
 from harness.diagnose.pairs import SHARED_DIR, ScratchStore
 from harness.diagnose.preflight import apply_alignment, preflight
-from harness.diagnose.showable import exact_reason, lost_updates_warning, small_effect_reason, update_summary
+from harness.diagnose.showable import (exact_reason, lost_updates_warning, ratio_one_words, small_effect_reason,
+                                      update_summary)
 from harness.diagnose.verdict import cell_line, finished_cell, verdict_doc, write_json
 from loop_runner.run import LoopError
 from trl_runner.translate import LOSS_TYPES, NORM_OF_LOSS_TYPE
@@ -157,6 +158,8 @@ def run_cell(cell: Cell, cell_dir: Path, mode: str = "lockstep", progress: bool 
                  first_divergence=result["first_divergence"])
         details = attribute(cell, result, cell_dir, mode, progress, log, store, backend, data=data)
         _describe(v, cell, data, details)
+        if v["verdict"] == "parity" and tuple(cell.sides) == ("yours", "trl"):  # what agreeing here cannot show
+            v["untold"] = [w for w in (ratio_one_words(cell.spec, data.tensors),) if w]
         if v["verdict"] == "parity" and cell.expected == "diverged":  # a toggle that had nothing to act on here?
             _no_effect(v, cell, data, details, mode, progress, log, store, backend)
         elif precision.wants_float32_loop(cell, mode, result):  # your loop at parity: or only bf16's rounding hid it

@@ -119,3 +119,51 @@ def small_effect_reason(result: dict, cell, spec=None, details=None, updates: di
     if any(d.get("evidence") == AGREE_WITHIN for d in details or []):
         return AGREE_WITHIN
     return None
+
+
+# the settings whose effect needs a policy ratio other than 1 (spec field, TRL's name): the clip bounds
+NEEDS_RATIO = (("CLIP_LOW", "epsilon"), ("CLIP_HIGH", "epsilon_high"), ("DELTA", "delta"))
+
+
+def ratio_one_throughout(spec) -> bool:
+    """Whether the policy ratio is exactly 1 at every step of the run as the spec sets TRL up: one optimizer step per
+    generation round and one pass over it (the old log-probs are the policy's own, detached), or the old log-probs
+    taken again before every step (LOGP_OLD = "current")."""
+    one_pass = getattr(spec, "NUM_ITERATIONS", 1) == 1 and getattr(spec, "STEPS_PER_GENERATION", 1) == 1
+    return one_pass or getattr(spec, "LOGP_OLD", "auto") == "current"
+
+
+def loop_ratio_one(tensors: dict) -> bool | None:
+    """Whether your loop's saved old log-probs equal its log-probs (to 1e-6) at every step that saved both: True,
+    False where some step's differ (its ratio leaves 1 there), None where no step saved both."""
+    seen = False
+    for t in tensors.values():
+        old, lp = t.get("old_logps"), t.get("logps")
+        if old is None or lp is None:
+            continue
+        try:
+            a = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in old])
+            b = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in lp])
+        except (TypeError, ValueError):
+            continue
+        if a.shape != b.shape:
+            continue
+        seen = True
+        both = np.isfinite(a) & np.isfinite(b)
+        if np.any(np.abs(a[both] - b[both]) > 1e-6):
+            return False
+    return True if seen else None
+
+
+def ratio_one_words(spec, tensors: dict) -> str | None:
+    """What a run whose policy ratio is exactly 1 at every step cannot tell: any setting whose effect needs a ratio
+    other than 1 (NEEDS_RATIO: the clip bounds), said with TRL's names and the spec's values; None where the ratio
+    can leave 1 (several passes or steps per round, or your loop's saved old log-probs apart from its own)."""
+    if not ratio_one_throughout(spec) or loop_ratio_one(tensors or {}) is False:
+        return None
+    named = ", ".join(f"{trl} = {getattr(spec, key):g}" for key, trl in NEEDS_RATIO if key != "DELTA"
+                      or getattr(spec, "DELTA", 0.0))
+    saved = ", and your loop's saved old log-probs are its log-probs" if loop_ratio_one(tensors or {}) else ""
+    return (f"this run could not tell your loop's clip bounds (TRL's {named}): the policy ratio is exactly 1 at every "
+            f"step (one pass over each round on the policy that generated it{saved}), and a clip bound acts only where "
+            "the ratio leaves 1; a bound of your own shows only with several passes per round (num_iterations > 1)")

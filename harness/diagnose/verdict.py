@@ -75,6 +75,7 @@ def finished_cell(c, cells: dict) -> bool:
                                                   for m in metrics.values())
             and c.get("sides", list(cells[c["name"]].sides)) == list(cells[c["name"]].sides)
             and isinstance(c.get("notes", []), list) and isinstance(c.get("cannot_show", ""), str)
+            and isinstance(c.get("untold", []), list) and all(isinstance(u, str) for u in c.get("untold", []))
             and isinstance(c.get("updates", {}), dict) and all(
                 isinstance(u, dict) and _number(u.get("unchanged")) and _number(u.get("median_rel"))
                 for u in c.get("updates", {}).values())
@@ -254,6 +255,12 @@ def _parting(c: dict) -> str:
             "at every compared step.")
 
 
+def _untold_items(cell: dict) -> list[str]:
+    """What your loop's parity cannot show (matrix: the cell's `untold`, e.g. clip bounds at a ratio of 1), one item
+    each."""
+    return [f"{_capital(u)}." for u in cell.get("untold") or ()]
+
+
 def headline(doc: dict) -> dict:
     """The report's first words: one plain sentence, and what to change, one line per cause."""
     cells = doc.get("cells", [])
@@ -284,7 +291,7 @@ def headline(doc: dict) -> dict:
                 from harness.diagnose.explain_words import defined_differently_words
 
                 items.append("Only statistics part: " + defined_differently_words(c["defined_differently"], c) + ".")
-            return {"sentence": f"The two loops agree {within}.", "items": items}
+            return {"sentence": f"The two loops agree {within}.", "items": items + _untold_items(c)}
         sentence = _parting(c)
         detail = c.get("attribution_detail") or []
         confirmed = [d for d in detail if d.get("status") == "confirmed"]

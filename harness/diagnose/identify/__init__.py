@@ -209,13 +209,22 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
     logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings), None)
     if logged and logged is not best:
         best = dataclasses.replace(best, rule=logged.rule)
-    others = [f for f in cands if f.exact and f.readable and f is not best and f.settings != best.settings
+    others = [f for f in cands if f.exact and f.readable and f is not best and _differ(f, best)
               and stage not in ("optimizer", "selection")]
     if best.exact and others:  # steps that read other rules: none is settled, each is said
         said = "; ".join(f"at step {f.step}: {f.rule.removeprefix('your loop ')}" for f in others[:2])
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
-    return best
+    # (what a step could not see served the comparison across steps only)
+    return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items() if k != "unseen"})
+
+
+def _differ(f: Finding, best: Finding) -> bool:
+    """Whether two readings of a stage say otherwise on a field both could see (a step where the KL term is 0 in
+    value, its reference the policy, says nothing of its weight: evidence["unseen"])."""
+    unseen = set(f.evidence.get("unseen", ())) | set(best.evidence.get("unseen", ()))
+    mine = {k: v for k, v in f.settings.items() if k not in unseen}
+    return mine != {k: v for k, v in best.settings.items() if k not in unseen}
 
 
 def settings_of(findings: list[Finding]) -> tuple[dict, dict, tuple]:

@@ -83,9 +83,12 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     seen = ref is not None and np.any(np.abs(ref - lp) > 1e-6) and kl is not None and not any(
         u.startswith("the KL estimators") for u in unsettled)
     settles = ("BETA", "KL_ESTIMATOR") + (("KL_IS_CORRECTION",) if kl and np.any(moved) else ()) if seen else ()
+    # a KL term 0 in value here (the reference is the policy, or none saved): this step cannot contradict another's
+    unseen = ("BETA", "KL_ESTIMATOR", "KL_IS_CORRECTION") if kl is None and (
+        ref is None or not np.any(np.abs(ref - lp) > 1e-6)) else ()
     return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
                    unsettled=tuple(unsettled), settles=settles + is_settles,
-                   evidence={"form": form, **({"kl": kl} if kl else {})})
+                   evidence={"form": form, **({"kl": kl} if kl else {}), **({"unseen": unseen} if unseen else {})})
 
 
 def _kl_fit(resid, lp, ref, ratio, tol):

@@ -85,12 +85,7 @@ def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int
     """No loss type gives your loss: the divisor itself, D = sum / loss, set against the counts it could be (the
     mask's tokens, every completion token, completions x the longest, completions x max tokens, completions)."""
     d = total / loss
-    longest = max(lengths) if lengths else 0
-    cands = {"the loss's tokens": counts.sum(), "every completion token (the mask's dropped tokens too)": sum(lengths),
-             "completions x the longest completion": n * longest, "completions x max tokens": n * max_tokens,
-             "completions": n}
-    named = next((f"{what} ({v:.0f})" + (f", times {f} micro-batches" if f > 1 else "")
-                  for f in (1, grad_accum) for what, v in cands.items() if abs(d - f * v) <= 1e-3 * abs(d)), None)
+    named = _count(d, counts, lengths, n, max_tokens, grad_accum)
     ev = {"divisor": d, "tokens": float(counts.sum()), "completion_tokens": sum(lengths)}
     if named:  # a count: the built-in loop divides by it as a constant where it is the same at every step read
         return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by {d:.6g}: {named}",
@@ -102,6 +97,17 @@ def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int
     return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by a constant {d:g} (no "
                    "count of its tokens or completions)", {"LOSS_DIVISOR": d}, True, unsettled=unsettled, evidence=ev,
                    settles=("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR"))
+
+
+def _count(d: float, counts, lengths, n: int, max_tokens: int, grad_accum: int) -> str | None:
+    """The count of the step a divisor `d` is (within 1e-3), in words, or None: the mask's tokens, every completion
+    token, completions x the longest, completions x max tokens, completions; each also times the micro-batches."""
+    longest = max(lengths) if lengths else 0
+    cands = {"the loss's tokens": float(np.sum(counts)), "every completion token (the mask's dropped tokens too)":
+             sum(lengths), "completions x the longest completion": n * longest, "completions x max tokens":
+             n * max_tokens, "completions": n}
+    return next((f"{what} ({v:.0f})" + (f", times {f} micro-batches" if f > 1 else "")
+                 for f in (1, grad_accum) for what, v in cands.items() if abs(d - f * v) <= 1e-3 * abs(d)), None)
 
 
 def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum: int, max_tokens: int,
@@ -132,7 +138,13 @@ def last_micro_batch(per_token_loss, mask_rows, lengths, loss: float, grad_accum
         for f in ((grad_accum, 1) if k in ("sequence", "token_local") else (1,)):
             if abs(values[k] / f - loss) <= atol + rtol * abs(loss):
                 return k, f
-    return None
+    # a divisor of its own that is a count of the step (verl's seq-mean-token-sum: the sum over its completions)
+    # (only where the step's sum and the last micro-batch's differ by more than a count's own margin: else either
+    # reads as the same divisor, and nothing tells what is logged)
+    apart = abs(float(sums.sum()) - float(sl.sum())) > 1e-3 * abs(float(sl.sum()))
+    d = float(sl.sum()) / float(loss) if apart and abs(float(loss)) > 10 * atol else 0.0
+    named = _count(d, counts, lengths, n, max_tokens, grad_accum) if d > 0 else None
+    return (f"divisor:{d:.5g}", 1) if named else None
 
 
 def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, spec, tol: dict, kl) -> Finding:
@@ -168,6 +180,11 @@ def _logged_last(w: Finding, t: dict, logged: float | None, lengths, ga: int, sp
 
 def _of_kind(kind: str, spec, step) -> Finding:
     """The weighting of loss type `kind` (read from a micro-batch's loss), against the spec's."""
+    if kind.startswith("divisor:"):  # a count of the step: the built-in loop divides by it as a constant
+        d = float(kind.partition(":")[2])
+        return Finding("weighting", step, f"your loop divides the masked per-token losses' sum by {d:g}",
+                       {"LOSS_DIVISOR": d}, True, evidence={"divisor": d, "count": True},
+                       settles=("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR"))
     settings = {"LOSS_SUM": True} if kind == "sum" else {"LOSS_NORM": kind}
     settings = {k: v for k, v in settings.items() if not _same(getattr(spec, k, None), v)}
     return Finding("weighting", step, f"your loop {_NAMES[kind]}" + ("" if settings else ", as the spec's loss type "
@@ -196,7 +213,7 @@ def read(cell, earlier: dict) -> list[Finding]:
         if kl and weak:  # what it logs may leave the KL term out (verl logs it apart)
             w2 = weighting(_without_kl(t, kl), t["mask"], _number(t["loss"]), s.lengths, ga, spec.MAX_TOKENS, spec,
                            step=s.step, **tol)
-            if w2.exact and not w2.no_switch:
+            if _strength(w2) < _strength(w):  # (a count of its own with the KL term beats a bare number without)
                 w = dataclasses.replace(w2, rule=w2.rule + "; what it logs as its loss leaves the KL term out "
                                         "(logged otherwise than trained: not a difference in training)",
                                         same_as_spec=w2.same_as_spec, evidence={**w2.evidence,
@@ -211,6 +228,14 @@ def read(cell, earlier: dict) -> list[Finding]:
                                     settles=w.settles + ("GRAD_ACCUM",) if w.settles else ())
         found.append(w)
     return found
+
+
+def _strength(w: Finding) -> int:
+    """How much a weighting reading says, least first: a loss type, a divisor that is a count (of its completions,
+    its tokens), a constant divisor of no count, no reading."""
+    if not w.exact or w.no_switch:
+        return 3
+    return 0 if "LOSS_DIVISOR" not in w.settings else 1 if w.evidence.get("count") else 2
 
 
 def _without_kl(t: dict, kl) -> list[list[float]]:
