@@ -145,6 +145,11 @@ FIELDS = {
         trl_fixed=False, quantity="log-probs on raw logits", preflight_words={
             True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option "
                   "not to"}),
+    "LOGITS_DTYPE": Field(
+        None, words=lambda v: f"takes its log_softmax on {v} logits (cast before the temperature; TRL: float32)",
+        trl_fixed="float32", quantity="log_softmax dtype", preflight_words={
+            "*": "takes its log_softmax on low-precision logits (`logits.to(bfloat16)`); TRL takes it in float32 and "
+                 "has no option not to"}),
     "KL_ESTIMATOR": Field(
         None, ("k1", "k2"), 1, lambda v: f"estimates the KL with {v} instead of k3",  # (k3's gradient is 0 at 1)
         trl_fixed="k3", quantity="KL estimator", preflight_words={
