@@ -85,7 +85,7 @@ STAGES: dict[str, list] = {
         _c("padding_mask", 85),
         _c("eos_out_of_attention", 7, quirks={"EOS_ATTENTION": "mask"}),
         _c("ce_ignore_pad", 4, quirks={"LOGP_ZERO_ID": PAD_ID}),  # the built-in loop's switch since the forward stage
-        _c("logits_bf16", 4, inexpressible=["log_softmax on bfloat16 logits"]),
+        _c("logits_bf16", 4, quirks={"LOGITS_DTYPE": "bfloat16"}),  # the built-in loop's switch since round 2
     ],
     "agg": [
         _c("grpo", 65),
