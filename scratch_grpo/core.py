@@ -287,6 +287,14 @@ def position_ids(attention: torch.Tensor) -> torch.Tensor:
     return (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 1)
 
 
+def truncated_rows(completion_ids: list[list[int]], eos_ids, pad_id: int | None, rule: str = "no_eos_or_pad") -> list[bool]:
+    """Which completions count as truncated: `no_eos_or_pad` (TRL: the last token is neither an eos nor the pad id, so
+    a completion ending in a sampled pad id counts as ended) or `no_eos` (TRUNCATED_IF: no eos at the end, as a loop
+    that checks `eos in ids` reads it). An empty completion is truncated."""
+    ends = set(eos_ids) | ({pad_id} if rule == "no_eos_or_pad" and pad_id is not None else set())
+    return [not ids or ids[-1] not in ends for ids in completion_ids]
+
+
 def zero_logps_at(logps: torch.Tensor, targets: torch.Tensor, token_id: int) -> torch.Tensor:
     """Log-probs with 0 at every target of id `token_id` (a loop scoring with cross_entropy(ignore_index=token_id):
     that token's term is 0, with no gradient); -1: unchanged."""

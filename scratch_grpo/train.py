@@ -245,9 +245,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         p_ids, p_mask = pad_left(prompt_ids, pad_id)
         c_ids, c_mask = pad_right(completion_ids, pad_id)
         # TRL counts a completion as truncated when its last token is neither an eos nor the pad token
-        truncated = torch.tensor([not ids or ids[-1] not in (*eos_ids, pad_id) for ids in completion_ids])
-        if spec.MASK_TRUNCATED:
-            c_mask = c_mask * (~truncated).unsqueeze(1).long()
+        truncated = torch.tensor(core.truncated_rows(completion_ids, eos_ids, pad_id))
+        if spec.MASK_TRUNCATED:  # (TRUNCATED_IF: what counts as truncated for the mask, a quirk; TRL's for metrics)
+            cut = torch.tensor(core.truncated_rows(completion_ids, eos_ids, pad_id, spec.TRUNCATED_IF))
+            c_mask = c_mask * (~cut).unsqueeze(1).long()
         p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
         # the tokens the loss counts: the completion mask (TRL), or a quirk's (no eos, or the padding too)
         ends_with_eos = torch.tensor([bool(ids) and ids[-1] in eos_ids for ids in completion_ids], device=device)

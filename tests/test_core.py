@@ -523,6 +523,15 @@ def test_forward_rules_by_hand():
     assert core.end_at_id([[3, 0, 5]], -1) == [[3, 0, 5]]
 
 
+def test_truncated_completions_by_hand():
+    """TRL counts a completion as ended where its last token is an eos or the pad id; TRUNCATED_IF = "no_eos" only
+    where it is an eos (a loop that checks `eos in ids`). eos 2, pad 0."""
+    rows = [[5, 2], [5, 0], [5, 7], [], [0, 5]]
+    assert core.truncated_rows(rows, (2,), 0) == [False, False, True, True, True]
+    assert core.truncated_rows(rows, (2,), 0, "no_eos") == [False, True, True, True, True]
+    assert core.truncated_rows(rows, (2,), None) == [False, True, True, True, True]  # no pad token
+
+
 def test_log_softmax_on_low_precision_logits_by_hand():
     """LOGITS_DTYPE: the logits cast before the temperature and the log_softmax, both in that dtype. bfloat16 keeps 8
     significant bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 and rounds to even, 1.0; so logits (1 + 2^-8, 1)

@@ -122,6 +122,27 @@ def test_mask_no_eos_truncated_padding_and_same():
     assert identify.mask(padded, comps, [2], SPEC).settings == {"COMPLETION_MASK": "all"}
 
 
+def test_mask_truncated_by_a_loop_that_checks_for_an_eos():
+    """TRL's mask_truncated_completions counts a completion whose last token is the pad id (0, sampled at the length
+    limit) as ended; a loop that checks `eos in ids` leaves it out with the truncated ones: TRUNCATED_IF = "no_eos",
+    settled only at a step where some completion ends in the pad id. Across steps, one that could not show it does
+    not contradict it."""
+    comps = [[5, 2], [5, 6, 7, 8], [5, 0], [6, 6, 2], [7, 0, 9, 9]]  # the third ends in the pad id
+    width = max(map(len, comps))
+    keep = lambda ended: [[int(ended(c) and t < len(c)) for t in range(width)] for c in comps]  # noqa: E731
+    eos_in = identify.mask(keep(lambda c: 2 in c), comps, [2], SPEC, pad_id=0, step=3)
+    assert eos_in.exact and eos_in.settings == {"MASK_TRUNCATED": True, "TRUNCATED_IF": "no_eos"}, eos_in
+    assert "TRUNCATED_IF" in eos_in.settles and "pad id" in eos_in.rule
+    trl = identify.mask(keep(lambda c: c[-1] in (2, 0)), comps, [2], SPEC, pad_id=0, step=3)
+    assert trl.exact and trl.settings == {"MASK_TRUNCATED": True} and "TRUNCATED_IF" in trl.settles, trl
+    plain = [c for c in comps if c[-1] != 0]  # no completion ends in the pad id: either rule reads the same
+    rows = [[int(2 in c and t < len(c)) for t in range(width)] for c in plain]
+    early = identify.mask(rows, plain, [2], SPEC, pad_id=0, step=1)
+    assert early.settings == {"MASK_TRUNCATED": True} and "TRUNCATED_IF" not in early.settles, early
+    best = identify.pick("mask", [early, eos_in])
+    assert best is eos_in and not best.unsettled, best
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_weighting_random_divisor_and_loss_types(seed):
     rng = random.Random(seed)

@@ -224,6 +224,10 @@ class Spec:
     MASK_TRUNCATED: bool = _f(False, "Drop completions that hit MAX_TOKENS without eos from the loss "
                               "(TRL: mask_truncated_completions).")
     # --- quirks of hand-written loops: the scratch loop can have them; TRL has no setting for any of them ---
+    TRUNCATED_IF: str = _f("no_eos_or_pad", "With MASK_TRUNCATED, which completions count as truncated: "
+                           "`no_eos_or_pad` (TRL: the last token is neither an eos nor the pad id, so one ending in a "
+                           "sampled pad id counts as ended) or `no_eos` (no eos at the end: a loop that checks "
+                           "`eos in ids`). TRL has no setting for it.", choices=("no_eos_or_pad", "no_eos"))
     COMPLETION_MASK: str = _f("eos", "Which completion tokens the loss counts: `eos` (every token through the eos, as "
                               "TRL), `no_eos` (the eos token left out), `all` (the padding after short completions "
                               "too).", choices=("eos", "no_eos", "all"))

@@ -14,9 +14,14 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     mask_truncated_completions), the eos at the end out, every occurrence of some token ids out (a mask built from
     `ids != pad_id`, where a generated token equal to the pad id drops out too), every position from some index on
     out (a length limit), or the padding after short completions counted."""
+    from scratch_grpo.core import truncated_rows
+
     eos = set(eos_ids)
     lengths = [len(c) for c in completion_ids]
-    truncated = [not c or c[-1] not in eos for c in completion_ids]
+    # what counts as truncated: TRL's rule (no eos nor pad id at the end) or a loop's `eos in ids` (TRUNCATED_IF)
+    rule = getattr(spec, "TRUNCATED_IF", "no_eos_or_pad") if spec else "no_eos_or_pad"
+    cut_by = {r: truncated_rows(completion_ids, eos, pad_id, r) for r in (rule, *{"no_eos_or_pad", "no_eos"} - {rule})}
+    truncated = cut_by[rule]
     mask_trunc = bool(getattr(spec, "MASK_TRUNCATED", False)) if spec else False
     trl = [[0 if (mask_trunc and tr) else 1] * n for n, tr in zip(lengths, truncated)]
     mine = [[1 if float(x) > 0.5 else 0 for x in row] for row in mask_rows]
@@ -32,11 +37,16 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     ev = {"out": len(out), "padding_counted": len(padding), "tokens": counted}
     rules, settings, no_switch, left = [], {}, False, set(out)
     token_unsettled: tuple = ()
-    # truncated completions entirely out (TRL's mask_truncated_completions), or entirely in against it
+    # truncated completions entirely out (TRL's mask_truncated_completions, by TRL's rule of what is truncated or the
+    # other), or entirely in against it
     whole = {i for i in range(len(mine)) if lengths[i] and all((i, t) in left for t in range(lengths[i]))}
-    if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]}:
-        rules.append(f"leaves the {len(whole)} truncated completion(s) (no eos) out of the loss entirely")
-        settings["MASK_TRUNCATED"] = True
+    by = next((r for r, cut in cut_by.items() if whole and whole == {i for i, tr in enumerate(cut) if tr and lengths[i]}),
+              None)
+    if by is not None:
+        pad_end = " (one ending in the pad id too: it checks for an eos)" if by == "no_eos" and by != rule else ""
+        rules.append(f"leaves the {len(whole)} truncated completion(s) (no eos){pad_end} out of the loss entirely")
+        settings.update({"MASK_TRUNCATED": True, **({"TRUNCATED_IF": by} if by != rule else {})})
+        truncated = cut_by[by]
         left -= {(i, t) for i in whole for t in range(lengths[i])}
     if extra_in and mask_trunc and {i for i, _ in extra_in} == {i for i, tr in enumerate(truncated) if tr}:
         rules.append("keeps truncated completions in the loss")
@@ -68,7 +78,9 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     # what this step can show: truncation only where a completion is truncated, the eos rule only where one ends
     # with an eos, the padding only where lengths differ
     shows = (("MASK_TRUNCATED",) if any(truncated) else ()) + (
-        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ())
+        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ()) + (
+        ("TRUNCATED_IF",) if settings.get("MASK_TRUNCATED", mask_trunc) and len(set(map(tuple, cut_by.values()))) > 1
+        else ())  # (the rules of what is truncated part only where a completion ends in the pad id)
     if not rules:
         return Finding("mask", step, "your loop counts every completion token through the eos, as TRL does", {},
                        True, same_as_spec=True, evidence=ev, settles=shows)
@@ -81,7 +93,7 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
         settings.pop("MASK_TOKEN_ID")
     return Finding("mask", step, "your loop " + "; ".join(rules), settings, exact, no_switch=no_switch, evidence=ev,
                    unsettled=token_unsettled,
-                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID")
+                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID", "TRUNCATED_IF")
                                  if k in settings or k in shows) if exact and not no_switch else ())
 
 
