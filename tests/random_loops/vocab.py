@@ -79,7 +79,8 @@ STAGES: dict[str, list] = {
         _c("through_eos", 80),
         _c("no_eos", 8, quirks={"COMPLETION_MASK": "no_eos"}),
         _c("ids_ne_pad", 6, quirks={"MASK_TOKEN_ID": PAD_ID}),
-        _c("truncated_out", 6, trl={"mask_truncated_completions": True}),
+        _c("truncated_out", 6, trl={"mask_truncated_completions": True}, quirks={"TRUNCATED_IF": "no_eos"},
+           unsure=["TRUNCATED_IF"]),  # `EOS in ids`: one ending in a sampled pad id is out too (TRL: ended)
     ],
     "forward": [
         _c("padding_mask", 85),
