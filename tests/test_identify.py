@@ -122,6 +122,23 @@ def test_mask_no_eos_truncated_padding_and_same():
     assert identify.mask(padded, comps, [2], SPEC).settings == {"COMPLETION_MASK": "all"}
 
 
+def test_mask_from_ids_with_completions_of_advantage_0_left_out():
+    """A mask built as `ids != pad_id` in a loop that also leaves out the completions whose advantage is exactly 0:
+    the whole rows out are set aside (said, no switch) and the pad id is still read (MASK_TOKEN_ID). Where a
+    completion of advantage 0 stays in, no such rule is read."""
+    comps = [[5, 0, 6, 2], [7, 8, 2], [0, 9, 2], [4, 4, 4, 2]]  # pad 0 generated in rows 0 and 2
+    adv = [0.7, -0.7, 0.0, 0.0]  # rows 2 and 3: a group whose rewards are equal
+    width = max(map(len, comps))
+    rows = [[int(t < len(c) and c[t] != 0 and a != 0) for t in range(width)] for c, a in zip(comps, adv)]
+    f = identify.mask(rows, comps, [2], SPEC, pad_id=0, advantages=adv)
+    assert f.exact and f.settings == {"MASK_TOKEN_ID": 0}, f
+    assert "2 completion(s) whose advantage is exactly 0" in f.rule and f.no_switch, f
+    assert not identify.mask(rows, comps, [2], SPEC, pad_id=0).exact  # (without the advantages: unexplained)
+    kept = [[int(t < len(c) and c[t] != 0) for t in range(width)] for c in comps]
+    f = identify.mask(kept, comps, [2], SPEC, pad_id=0, advantages=adv)
+    assert f.settings == {"MASK_TOKEN_ID": 0} and "advantage" not in f.rule and not f.no_switch, f
+
+
 def test_mask_truncated_by_a_loop_that_checks_for_an_eos():
     """TRL's mask_truncated_completions counts a completion whose last token is the pad id (0, sampled at the length
     limit) as ended; a loop that checks `eos in ids` leaves it out with the truncated ones: TRUNCATED_IF = "no_eos",

@@ -146,10 +146,10 @@ FIELDS = {
             True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option "
                   "not to"}),
     "TRUNCATED_IF": Field(
-        None, ("no_eos_or_pad", "no_eos"), 1, words=lambda v: {"no_eos": "counts a completion as truncated wherever it does not end in an eos (one "
-                                         "ending in a sampled pad id too; TRL counts that one as ended)"}.get(
-                                             v, "counts a completion as truncated where it ends in neither an eos nor "
-                                                "the pad id, as TRL does"),
+        None, ("no_eos_or_pad", "no_eos"), 1, words=lambda v: (
+            "counts a completion as truncated wherever it does not end in an eos (one ending in a sampled pad id too; "
+            "TRL counts that one as ended)" if v == "no_eos" else "counts a completion as truncated where it ends in "
+            "neither an eos nor the pad id, as TRL does"),
         trl_fixed="no_eos_or_pad", quantity="truncated completions", preflight_words={
             "no_eos": "counts a completion ending in a sampled pad id as truncated; TRL counts it as ended (its last "
                       "token the eos or the pad id) and has no option not to"}),
