@@ -158,6 +158,12 @@ def test_mask_truncated_by_a_loop_that_checks_for_an_eos():
     assert early.settings == {"MASK_TRUNCATED": True} and "TRUNCATED_IF" not in early.settles, early
     best = identify.pick("mask", [early, eos_in])
     assert best is eos_in and not best.unsettled, best
+    # a step read as TRL's says less than a mask on the pad id, and may have generated it: still said
+    ids = identify.mask([[int(t < len(c) and c[t] != 0) for t in range(width)] for c in comps], comps, [2], SPEC,
+                        pad_id=0, step=1)
+    same = identify.mask([[int(t < len(c)) for t in range(width)] for c in plain], plain, [2], SPEC, pad_id=0, step=2)
+    assert same.same_as_spec and ids.settings == {"MASK_TOKEN_ID": 0}, (same, ids)
+    assert any("other steps read otherwise" in u for u in identify.pick("mask", [ids, same]).unsettled)
 
 
 @pytest.mark.parametrize("seed", range(4))

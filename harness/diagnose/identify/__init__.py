@@ -213,12 +213,22 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
         best = dataclasses.replace(best, rule=logged.rule)
     others = [f for f in cands if f.exact and f.readable and f is not best and f.settings != best.settings
               and stage not in ("optimizer", "selection")
-              and not (stage == "mask" and f.settings.items() <= best.settings.items())]  # (a rule that could not act)
+              and not (stage == "mask" and _could_not_show(f, best))]
     if best.exact and others:  # steps that read other rules: none is settled, each is said
         said = "; ".join(f"at step {f.step}: {f.rule.removeprefix('your loop ')}" for f in others[:2])
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
     return best
+
+
+def _could_not_show(f: Finding, best: Finding) -> bool:
+    """A mask reading `f` that says less than `best` only where its step could not show the rest: its settings are
+    part of best's, and each of best's others is a rule whose showing the mask stage tracks (`shows`: truncation,
+    the eos and padding rules, what counts as truncated) and that f's step does not settle. (An id's mask is
+    tracked by none: a step read as TRL's may have generated that id, and is said.)"""
+    rest = set(best.settings) - set(f.settings)
+    return f.settings.items() <= best.settings.items() and not rest & set(f.settles) and \
+        rest <= {"MASK_TRUNCATED", "COMPLETION_MASK", "TRUNCATED_IF"}
 
 
 def settings_of(findings: list[Finding]) -> tuple[dict, dict, tuple]:
