@@ -110,19 +110,37 @@ def _lean(logits: torch.Tensor) -> bool:
     return logits.dtype != torch.float32 or logits.numel() > LEAN_NUMEL
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens (in fp32)."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   logits_dtype: str = "float32") -> torch.Tensor:
+    """log pi(target | prefix) from logits (B, T, V) on logits / temperature, as TRL scores tokens (in fp32).
+    `logits_dtype` (LOGITS_DTYPE) other than float32: low_precision_logprobs (a quirk)."""
+    if logits_dtype != "float32":
+        return low_precision_logprobs(logits, targets, temperature, logits_dtype)
     if _lean(logits) and logits.dim() == 3:
         return _LeanLogprobs.apply(logits, targets, temperature, False)[0]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def low_precision_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                           logits_dtype: str) -> torch.Tensor:
+    """log pi(target | prefix) with the logits cast to `logits_dtype` ("bfloat16", "float16") before the temperature
+    and the log_softmax, both computed in that dtype, the result back in fp32: a loop that writes
+    `log_softmax(logits.to(torch.bfloat16) / T)` (LOGITS_DTYPE; TRL takes its log_softmax in fp32)."""
+    low = getattr(torch, logits_dtype)
+    logp = torch.log_softmax(logits.to(low) / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
+
+
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                               entropy_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               entropy_temperature: float | None = None,
+                               logits_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """token_logprobs and token_entropy (of softmax(logits / entropy_temperature), no gradient) together: on the
-    lean path one pass over the logits gives both when the two temperatures agree."""
+    lean path one pass over the logits gives both when the two temperatures agree. The entropy stays in fp32 at any
+    `logits_dtype` (a logged metric only)."""
     t_ent = temperature if entropy_temperature is None else entropy_temperature
+    if logits_dtype != "float32":
+        return low_precision_logprobs(logits, targets, temperature, logits_dtype), token_entropy(logits.detach(), t_ent)
     if _lean(logits) and logits.dim() == 3 and t_ent == temperature:
         return _LeanLogprobs.apply(logits, targets, temperature, True)
     return token_logprobs(logits, targets, temperature), token_entropy(logits.detach(), t_ent)
@@ -267,6 +285,14 @@ def position_ids(attention: torch.Tensor) -> torch.Tensor:
     """Positions counted over the attention mask: cumsum(mask) - 1, and 1 where the mask is 0 (as transformers'
     generate counts them). The model's own positions (TRL) are plain: 0, 1, 2, ... over every column."""
     return (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 1)
+
+
+def truncated_rows(completion_ids: list[list[int]], eos_ids, pad_id: int | None, rule: str = "no_eos_or_pad") -> list[bool]:
+    """Which completions count as truncated: `no_eos_or_pad` (TRL: the last token is neither an eos nor the pad id, so
+    a completion ending in a sampled pad id counts as ended) or `no_eos` (TRUNCATED_IF: no eos at the end, as a loop
+    that checks `eos in ids` reads it). An empty completion is truncated."""
+    ends = set(eos_ids) | ({pad_id} if rule == "no_eos_or_pad" and pad_id is not None else set())
+    return [not ids or ids[-1] not in ends for ids in completion_ids]
 
 
 def zero_logps_at(logps: torch.Tensor, targets: torch.Tensor, token_id: int) -> torch.Tensor:

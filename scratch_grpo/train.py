@@ -36,7 +36,7 @@ from scratch_grpo import core
 def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                        completion_mask: torch.Tensor, temperature: float, entropy_temperature: float | None = None,
                        masked_eos: tuple[int, ...] = (), dropped: int | None = None, hidden: tuple[int, ...] = (),
-                       positions: str = "auto", zero_id: int = -1):
+                       positions: str = "auto", zero_id: int = -1, logits_dtype: str = "float32"):
     """Per-token log-probs (B, T) of the completion tokens, and with `entropy_temperature` the entropy (B, T) of
     softmax(logits / entropy_temperature) (no gradient); else None.
 
@@ -49,7 +49,8 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     to leave out). `hidden` (a quirk, ATTENTION_HIDE_ID): tokens of these ids hidden from attention wherever they
     stand (a mask built as `ids != pad_id`), kept in the sequence. `positions` (POSITIONS): `plain` (the model's own,
     TRL), `mask` (counted over the attention mask), `auto` (counted where eos tokens are masked or a token dropped).
-    `zero_id` (LOGP_ZERO_ID): that id's log-probs are 0 (cross_entropy's ignore_index).
+    `zero_id` (LOGP_ZERO_ID): that id's log-probs are 0 (cross_entropy's ignore_index). `logits_dtype`
+    (LOGITS_DTYPE): the dtype the log_softmax is taken in (core.low_precision_logprobs; TRL: float32).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -68,8 +69,10 @@ def completion_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
         source = torch.cat([torch.zeros_like(at[:, :1]), at[:, :-1]], dim=1).cummax(dim=1).values
         logits = logits.gather(1, source.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
     if entropy_temperature is None:
-        return core.zero_logps_at(core.token_logprobs(logits, completion_ids, temperature), completion_ids, zero_id), None
-    logp, entropy = core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature)
+        logp = core.token_logprobs(logits, completion_ids, temperature, logits_dtype)
+        return core.zero_logps_at(logp, completion_ids, zero_id), None
+    logp, entropy = core.token_logprobs_and_entropy(logits, completion_ids, temperature, entropy_temperature,
+                                                    logits_dtype)
     return core.zero_logps_at(logp, completion_ids, zero_id), entropy
 
 
@@ -188,7 +191,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
     dropped = spec.MASK_TOKEN_ID if spec.MASK_TOKEN_ID >= 0 and spec.MASK_TOKEN_DROP else None  # a quirk
     # the forward pass's quirks: what it sees, where, and which log-probs it zeroes (TRL: none of them)
     forward_rules = {"masked_eos": masked_eos, "dropped": dropped, "positions": spec.POSITIONS,
-                     "zero_id": spec.LOGP_ZERO_ID, "hidden": (spec.ATTENTION_HIDE_ID,) if spec.ATTENTION_HIDE_ID >= 0 else ()}
+                     "zero_id": spec.LOGP_ZERO_ID, "hidden": (spec.ATTENTION_HIDE_ID,) if spec.ATTENTION_HIDE_ID >= 0 else (),
+                     "logits_dtype": spec.LOGITS_DTYPE}
 
     def prepare(r: int) -> types.SimpleNamespace:
         """Round r as it stands when it is generated: its prompts (each repeated G times: a group), completions,
@@ -241,9 +245,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         p_ids, p_mask = pad_left(prompt_ids, pad_id)
         c_ids, c_mask = pad_right(completion_ids, pad_id)
         # TRL counts a completion as truncated when its last token is neither an eos nor the pad token
-        truncated = torch.tensor([not ids or ids[-1] not in (*eos_ids, pad_id) for ids in completion_ids])
-        if spec.MASK_TRUNCATED:
-            c_mask = c_mask * (~truncated).unsqueeze(1).long()
+        truncated = torch.tensor(core.truncated_rows(completion_ids, eos_ids, pad_id))
+        if spec.MASK_TRUNCATED:  # (TRUNCATED_IF: what counts as truncated for the mask, a quirk; TRL's for metrics)
+            cut = torch.tensor(core.truncated_rows(completion_ids, eos_ids, pad_id, spec.TRUNCATED_IF))
+            c_mask = c_mask * (~cut).unsqueeze(1).long()
         p_ids, p_mask, c_ids, c_mask = (t.to(device) for t in (p_ids, p_mask, c_ids, c_mask))
         # the tokens the loss counts: the completion mask (TRL), or a quirk's (no eos, or the padding too)
         ends_with_eos = torch.tensor([bool(ids) and ids[-1] in eos_ids for ids in completion_ids], device=device)

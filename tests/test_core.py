@@ -523,6 +523,30 @@ def test_forward_rules_by_hand():
     assert core.end_at_id([[3, 0, 5]], -1) == [[3, 0, 5]]
 
 
+def test_truncated_completions_by_hand():
+    """TRL counts a completion as ended where its last token is an eos or the pad id; TRUNCATED_IF = "no_eos" only
+    where it is an eos (a loop that checks `eos in ids`). eos 2, pad 0."""
+    rows = [[5, 2], [5, 0], [5, 7], [], [0, 5]]
+    assert core.truncated_rows(rows, (2,), 0) == [False, False, True, True, True]
+    assert core.truncated_rows(rows, (2,), 0, "no_eos") == [False, True, True, True, True]
+    assert core.truncated_rows(rows, (2,), None) == [False, True, True, True, True]  # no pad token
+
+
+def test_log_softmax_on_low_precision_logits_by_hand():
+    """LOGITS_DTYPE: the logits cast before the temperature and the log_softmax, both in that dtype. bfloat16 keeps 8
+    significant bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 and rounds to even, 1.0; so logits (1 + 2^-8, 1)
+    give log-probs -ln 2 = -0.693147..., rounded to bfloat16's nearest, 177/256 = 0.69140625, where float32 gives
+    -ln(1 + e^(-2^-8)) = -0.691194 (the logits apart by 2^-8). The temperature divides in bfloat16 too: (2, 2) / 2."""
+    logits = torch.tensor([[[1.00390625, 1.0]]])
+    target = torch.tensor([[0]])
+    assert core.token_logprobs(logits, target, 1.0, "bfloat16").tolist() == [[-0.69140625]]
+    assert core.token_logprobs(logits, target, 1.0, "bfloat16").dtype == torch.float32
+    assert core.token_logprobs(logits, target).item() == pytest.approx(-math.log1p(math.exp(-2 ** -8)), abs=1e-6)
+    assert core.token_logprobs(torch.tensor([[[2.0, 2.0]]]), target, 2.0, "bfloat16").tolist() == [[-0.69140625]]
+    logp, entropy = core.token_logprobs_and_entropy(logits, target, 1.0, None, "bfloat16")
+    assert logp.tolist() == [[-0.69140625]] and entropy.item() == pytest.approx(math.log(2), abs=1e-4)  # fp32 entropy
+
+
 def test_a_token_hidden_from_attention_scores_as_if_deleted_at_its_positions():
     """ATTENTION_HIDE_ID with POSITIONS: the tokens after a hidden one score as the sequence without it, at positions
     counted over the mask (POSITIONS = "mask") or at the model's own, which skip its place ("plain"), from the

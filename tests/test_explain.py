@@ -328,6 +328,15 @@ def test_a_clip_bound_is_a_candidate_from_the_first_step_after_an_update():
     assert not [o for o in options(load_spec(DEFAULT_SPEC), set()) if o.key.startswith("CLIP_")]  # ratio 1 throughout
 
 
+def test_what_counts_as_truncated_is_searched_only_with_truncated_completions_masked():
+    """TRUNCATED_IF acts only through mask_truncated_completions: tried where it is on, never otherwise."""
+    from harness.diagnose.search import options
+
+    assert not [o for o in options(load_spec(DEFAULT_SPEC), set()) if o.key == "TRUNCATED_IF"]
+    masked = [o for o in options(load_spec(DEFAULT_SPEC, ["MASK_TRUNCATED=true"]), set()) if o.key == "TRUNCATED_IF"]
+    assert [(o.value, o.acts_from) for o in masked] == [("no_eos", 1)], masked
+
+
 def test_tensor_patterns_name_the_mask_and_the_loss_normalisation():
     """Known answers: the eos dropped from the loss, and a loss aggregated over tokens, from hand-made tensors."""
     from harness.diagnose.tensordiff import diff

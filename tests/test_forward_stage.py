@@ -43,7 +43,8 @@ def _packed_logps(model, drop):
     return out
 
 
-def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temperature=1.0, bf16=False):
+def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temperature=1.0, bf16=False,
+                low_logits=False):
     """One row per completion, as a loop computes them: left-padded prompts, right-padded completions."""
     comps = [c[:c.index(end) + 1] if end is not None and end in c else c for c in COMPLETIONS]
     P, T = max(map(len, PROMPTS)), max(map(len, comps))
@@ -56,7 +57,9 @@ def _loop_logps(model, hide=None, positions="plain", ignore=None, end=None, temp
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, P - 1:-1].float() / temperature
     targets = ids[:, P:]
-    if ignore is not None:
+    if low_logits:  # `log_softmax(logits.to(torch.bfloat16))`, the model in float32
+        lp = torch.log_softmax(logits.to(torch.bfloat16), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
+    elif ignore is not None:
         lp = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=ignore, reduction="none")
     else:
         lp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -97,6 +100,16 @@ def test_trl_forward_is_nothing_to_say_raw_logits_and_a_dtype_are_read(setup):
     assert _read(hot, _loop_logps(model, temperature=0.7), pad, eos) is None
     f = _read(spec, _loop_logps(model, bf16=True), pad, eos)  # a loop under bf16 autocast, the spec in float32
     assert f is not None and f.exact and f.settings == {"DTYPE": "bfloat16"}, f
+
+
+def test_a_log_softmax_on_bfloat16_logits_is_read_as_such_not_as_a_dtype(setup):
+    """The model in float32, its logits cast to bfloat16 for the log_softmax: LOGITS_DTYPE reproduces the log-probs
+    exactly (at float32's tolerance), and wins over a bfloat16 compute dtype, which only comes near."""
+    spec, model, pad, eos = setup
+    f = _read(spec, _loop_logps(model, low_logits=True), pad, eos)
+    assert f is not None and f.exact and f.settings == {"LOGITS_DTYPE": "bfloat16"}, f
+    assert f.settles == ("LOGITS_DTYPE",) and not f.unsettled, f
+    assert f.evidence["max_abs"] > 1e-3  # (TRL's float32 log_softmax is visibly off)
 
 
 def test_a_forward_pass_no_rule_reproduces_is_said_so(setup):

@@ -122,6 +122,50 @@ def test_mask_no_eos_truncated_padding_and_same():
     assert identify.mask(padded, comps, [2], SPEC).settings == {"COMPLETION_MASK": "all"}
 
 
+def test_mask_from_ids_with_completions_of_advantage_0_left_out():
+    """A mask built as `ids != pad_id` in a loop that also leaves out the completions whose advantage is exactly 0:
+    the whole rows out are set aside (said, no switch) and the pad id is still read (MASK_TOKEN_ID). Where a
+    completion of advantage 0 stays in, no such rule is read."""
+    comps = [[5, 0, 6, 2], [7, 8, 2], [0, 9, 2], [4, 4, 4, 2]]  # pad 0 generated in rows 0 and 2
+    adv = [0.7, -0.7, 0.0, 0.0]  # rows 2 and 3: a group whose rewards are equal
+    width = max(map(len, comps))
+    rows = [[int(t < len(c) and c[t] != 0 and a != 0) for t in range(width)] for c, a in zip(comps, adv)]
+    f = identify.mask(rows, comps, [2], SPEC, pad_id=0, advantages=adv)
+    assert f.exact and f.settings == {"MASK_TOKEN_ID": 0}, f
+    assert "2 completion(s) whose advantage is exactly 0" in f.rule and f.no_switch, f
+    assert not identify.mask(rows, comps, [2], SPEC, pad_id=0).exact  # (without the advantages: unexplained)
+    kept = [[int(t < len(c) and c[t] != 0) for t in range(width)] for c in comps]
+    f = identify.mask(kept, comps, [2], SPEC, pad_id=0, advantages=adv)
+    assert f.settings == {"MASK_TOKEN_ID": 0} and "advantage" not in f.rule and not f.no_switch, f
+
+
+def test_mask_truncated_by_a_loop_that_checks_for_an_eos():
+    """TRL's mask_truncated_completions counts a completion whose last token is the pad id (0, sampled at the length
+    limit) as ended; a loop that checks `eos in ids` leaves it out with the truncated ones: TRUNCATED_IF = "no_eos",
+    settled only at a step where some completion ends in the pad id. Across steps, one that could not show it does
+    not contradict it."""
+    comps = [[5, 2], [5, 6, 7, 8], [5, 0], [6, 6, 2], [7, 0, 9, 9]]  # the third ends in the pad id
+    width = max(map(len, comps))
+    keep = lambda ended: [[int(ended(c) and t < len(c)) for t in range(width)] for c in comps]  # noqa: E731
+    eos_in = identify.mask(keep(lambda c: 2 in c), comps, [2], SPEC, pad_id=0, step=3)
+    assert eos_in.exact and eos_in.settings == {"MASK_TRUNCATED": True, "TRUNCATED_IF": "no_eos"}, eos_in
+    assert "TRUNCATED_IF" in eos_in.settles and "pad id" in eos_in.rule
+    trl = identify.mask(keep(lambda c: c[-1] in (2, 0)), comps, [2], SPEC, pad_id=0, step=3)
+    assert trl.exact and trl.settings == {"MASK_TRUNCATED": True} and "TRUNCATED_IF" in trl.settles, trl
+    plain = [c for c in comps if c[-1] != 0]  # no completion ends in the pad id: either rule reads the same
+    rows = [[int(2 in c and t < len(c)) for t in range(width)] for c in plain]
+    early = identify.mask(rows, plain, [2], SPEC, pad_id=0, step=1)
+    assert early.settings == {"MASK_TRUNCATED": True} and "TRUNCATED_IF" not in early.settles, early
+    best = identify.pick("mask", [early, eos_in])
+    assert best is eos_in and not best.unsettled, best
+    # a step read as TRL's says less than a mask on the pad id, and may have generated it: still said
+    ids = identify.mask([[int(t < len(c) and c[t] != 0) for t in range(width)] for c in comps], comps, [2], SPEC,
+                        pad_id=0, step=1)
+    same = identify.mask([[int(t < len(c)) for t in range(width)] for c in plain], plain, [2], SPEC, pad_id=0, step=2)
+    assert same.same_as_spec and ids.settings == {"MASK_TOKEN_ID": 0}, (same, ids)
+    assert any("other steps read otherwise" in u for u in identify.pick("mask", [ids, same]).unsettled)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_weighting_random_divisor_and_loss_types(seed):
     rng = random.Random(seed)

@@ -60,7 +60,8 @@ SOURCE_OF_QUIRK = {
     "MASK_TOKEN_ID": "(completion_ids != PAD)", "EOS_ATTENTION": "(ids != EOS)", "MICRO_BATCH_ORDER": "len(micro)",
     "LOSS_DIVISOR": "seq-mean-token-sum", "LOSS_SUM": "loss = (per_token * mask).sum()\n", "LOGP_OLD": "this pass",
     "WEIGHT_DECAY_ALL": "AdamW(model.parameters()", "SELECTION": "parity.trained(", "KL_ESTIMATOR": "kl = ",
-    "STD_EPS": "+ STD_EPS", "LOGP_ZERO_ID": "ignore_index=PAD",
+    "STD_EPS": "+ STD_EPS", "LOGP_ZERO_ID": "ignore_index=PAD", "LOGITS_DTYPE": "logits.to(torch.bfloat16)",
+    "TRUNCATED_IF": "EOS in batch['completion_ids']",
 }
 
 

@@ -321,6 +321,11 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     T.append(_row("other", "LOGP_ZERO_ID / END_AT_ID", f"{spec.LOGP_ZERO_ID} / {spec.END_AT_ID}", "(fixed)", "-1 / -1",
                   "TRL scores every completion token and ends completions at the eos only; no setting zeroes a "
                   "token's log-prob (ignore_index) or stops at another id"))
+    T.append(_row("other", "TRUNCATED_IF", spec.TRUNCATED_IF, "(fixed)", "no_eos_or_pad",
+                  "TRL's mask_truncated_completions takes a completion ending in the eos or the pad id as ended; no "
+                  "setting counts one ending in a sampled pad id as truncated"))
+    T.append(_row("other", "LOGITS_DTYPE", spec.LOGITS_DTYPE, "(fixed)", "float32",
+                  "TRL takes its log_softmax on float32 logits; no setting casts them to a lower precision first"))
     T.append(_row("other", "CLIP_LOW / CLIP_HIGH", f"{spec.CLIP_LOW} / {spec.CLIP_HIGH}", "epsilon / epsilon_high",
                   f"{kw['epsilon']} / {kw['epsilon_high']}", "epsilon_high=None means epsilon"))
     T.append(_row("other", "DELTA", spec.DELTA or None, "delta", kw["delta"]))

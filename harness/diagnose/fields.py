@@ -146,6 +146,19 @@ FIELDS = {
         trl_fixed=False, quantity="log-probs on raw logits", preflight_words={
             True: "takes log-probs on the raw logits; TRL divides them by the temperature first and has no option "
                   "not to"}),
+    "TRUNCATED_IF": Field(
+        None, ("no_eos_or_pad", "no_eos"), 1, words=lambda v: (
+            "counts a completion as truncated wherever it does not end in an eos (one ending in a sampled pad id too; "
+            "TRL counts that one as ended)" if v == "no_eos" else "counts a completion as truncated where it ends in "
+            "neither an eos nor the pad id, as TRL does"),
+        trl_fixed="no_eos_or_pad", quantity="truncated completions", preflight_words={
+            "no_eos": "counts a completion ending in a sampled pad id as truncated; TRL counts it as ended (its last "
+                      "token the eos or the pad id) and has no option not to"}),
+    "LOGITS_DTYPE": Field(
+        None, words=lambda v: f"takes its log_softmax on {v} logits (cast before the temperature; TRL: float32)",
+        trl_fixed="float32", quantity="log_softmax dtype", preflight_words={
+            "*": "takes its log_softmax on low-precision logits (`logits.to(bfloat16)`); TRL takes it in float32 and "
+                 "has no option not to"}),
     "KL_ESTIMATOR": Field(
         None, ("k1", "k2"), 1, lambda v: f"estimates the KL with {v} instead of k3",  # (k3's gradient is 0 at 1)
         trl_fixed="k3", quantity="KL estimator", preflight_words={

@@ -210,7 +210,7 @@ def _quirk_facts(spec) -> dict:
     q = {}
     for key, f in QUIRKS.items():
         if key.startswith("KL_") and not spec.BETA or key == "LOGP_OLD" or key == "MASK_TOKEN_DROP" and \
-                spec.MASK_TOKEN_ID < 0:
+                spec.MASK_TOKEN_ID < 0 or key == "TRUNCATED_IF" and not spec.MASK_TRUNCATED:
             continue  # no KL term (no token id), nothing for the estimator or its place (the drop) to change
         q[f.quantity] = (getattr(spec, key), f.trl_fixed, (key,), f"quirk:{key}", {"set": {key: f.trl_fixed}})
     if spec.LOGP_OLD == "current" and (spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.SELECTION):

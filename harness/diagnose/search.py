@@ -53,6 +53,8 @@ def options(spec, logged: set[str]) -> list[Option]:
     and the advantages (step 1), then what acts through the first update (step 2), then through the second
     (step 3). `logged`: the metrics your loop logs (a logged learning rate is read, not searched)."""
     out = _others(spec, "LOSS_NORM") + _others(spec, "ADV_SCALE") + _others(spec, "MASK_TRUNCATED")
+    if spec.MASK_TRUNCATED:  # what counts as truncated: a completion ending in a sampled pad id, at any step
+        out += _others(spec, "TRUNCATED_IF")
     if spec.NUM_ITERATIONS > 1 or spec.STEPS_PER_GENERATION > 1 or spec.IS_CORRECTION:  # the ratio leaves 1
         # ... but not before the first update: step 1 trains the policy that generated (ratio 1), so a clip bound can
         # first bind at step 2 (a second pass, or the round's next slice)

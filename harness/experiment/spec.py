@@ -224,6 +224,10 @@ class Spec:
     MASK_TRUNCATED: bool = _f(False, "Drop completions that hit MAX_TOKENS without eos from the loss "
                               "(TRL: mask_truncated_completions).")
     # --- quirks of hand-written loops: the scratch loop can have them; TRL has no setting for any of them ---
+    TRUNCATED_IF: str = _f("no_eos_or_pad", "With MASK_TRUNCATED, which completions count as truncated: "
+                           "`no_eos_or_pad` (TRL: the last token is neither an eos nor the pad id, so one ending in a "
+                           "sampled pad id counts as ended) or `no_eos` (no eos at the end: a loop that checks "
+                           "`eos in ids`). TRL has no setting for it.", choices=("no_eos_or_pad", "no_eos"))
     COMPLETION_MASK: str = _f("eos", "Which completion tokens the loss counts: `eos` (every token through the eos, as "
                               "TRL), `no_eos` (the eos token left out), `all` (the padding after short completions "
                               "too).", choices=("eos", "no_eos", "all"))
@@ -265,6 +269,11 @@ class Spec:
                         "that stops there (the pad id taken for a stop token): the tokens after it leave the sequences "
                         "the forward passes see and the loss (the rewards stay the round's); -1 = none. TRL has no "
                         "setting for it.", min=-1)
+    LOGITS_DTYPE: str = _f("float32", "The dtype the forward passes take log_softmax in: `float32` (TRL) or "
+                           "`bfloat16` / `float16` (a loop that writes `log_softmax(logits.to(torch.bfloat16) / T)`: "
+                           "the logits cast, divided by the temperature and normalised in that dtype, the log-probs "
+                           "back in float32), whatever DTYPE computes the model in. TRL has no setting for it.",
+                           choices=("float32", "bfloat16", "float16"))
     ADV_BASELINE: str = _f("group", "What each reward is centred on: its group's mean (`group`, TRL) or the mean of "
                            "the group's other completions (`loo`: leave-one-out, RLOO's and NeMo-RL's baseline; with "
                            "ADV_SCALE = group the std is the others' too, and a completion whose others are alike is "

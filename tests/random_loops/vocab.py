@@ -79,13 +79,14 @@ STAGES: dict[str, list] = {
         _c("through_eos", 80),
         _c("no_eos", 8, quirks={"COMPLETION_MASK": "no_eos"}),
         _c("ids_ne_pad", 6, quirks={"MASK_TOKEN_ID": PAD_ID}),
-        _c("truncated_out", 6, trl={"mask_truncated_completions": True}),
+        _c("truncated_out", 6, trl={"mask_truncated_completions": True}, quirks={"TRUNCATED_IF": "no_eos"},
+           unsure=["TRUNCATED_IF"]),  # `EOS in ids`: one ending in a sampled pad id is out too (TRL: ended)
     ],
     "forward": [
         _c("padding_mask", 85),
         _c("eos_out_of_attention", 7, quirks={"EOS_ATTENTION": "mask"}),
         _c("ce_ignore_pad", 4, quirks={"LOGP_ZERO_ID": PAD_ID}),  # the built-in loop's switch since the forward stage
-        _c("logits_bf16", 4, inexpressible=["log_softmax on bfloat16 logits"]),
+        _c("logits_bf16", 4, quirks={"LOGITS_DTYPE": "bfloat16"}),  # the built-in loop's switch since round 2
     ],
     "agg": [
         _c("grpo", 65),

@@ -199,18 +199,21 @@ def _old_is_current(cell, step: int) -> bool | None:
 def pick(stage: str, cands: list[Finding]) -> Finding | None:
     """A stage's readings at several steps -> the one said (None where it was read at none): the reading that says
     most: exact, least left unsettled, most settled (a step where a KL term or the ratio can show at all), then the
-    earliest; for the mask, a rule seen acting first (a mask on the pad id shows only at a step that generated one:
-    the steps without one read TRL's mask, and do not contradict it; an exact mask reading cannot come from an
-    ambiguity, as a scale read from one group can). Steps that read other rules leave it unsettled, each said."""
+    earliest; for the mask, a rule seen acting first, the most rules first (a mask on the pad id shows only at a step
+    that generated one, what counts as truncated only at one where a completion ends in the pad id: the steps without
+    one read fewer rules, and do not contradict it; an exact mask reading cannot come from an ambiguity, as a scale
+    read from one group can). Steps that read other rules leave it unsettled, each said."""
     if not cands:
         return None
     best = min(cands, key=lambda f: (not f.readable, not f.exact, stage == "mask" and f.same_as_spec,
-                                     len(f.unsettled), -len(f.settles), f.step or 0))
+                                     -len(f.settings) if stage == "mask" else 0, len(f.unsettled), -len(f.settles),
+                                     f.step or 0))
     logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings), None)
     if logged and logged is not best:
         best = dataclasses.replace(best, rule=logged.rule)
     others = [f for f in cands if f.exact and f.readable and f is not best and _differ(f, best)
-              and stage not in ("optimizer", "selection")]
+              and stage not in ("optimizer", "selection")
+              and not (stage == "mask" and _could_not_show(f, best))]
     if best.exact and others:  # steps that read other rules: none is settled, each is said
         said = "; ".join(f"at step {f.step}: {f.rule.removeprefix('your loop ')}" for f in others[:2])
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
@@ -225,6 +228,16 @@ def _differ(f: Finding, best: Finding) -> bool:
     unseen = set(f.evidence.get("unseen", ())) | set(best.evidence.get("unseen", ()))
     mine = {k: v for k, v in f.settings.items() if k not in unseen}
     return mine != {k: v for k, v in best.settings.items() if k not in unseen}
+
+
+def _could_not_show(f: Finding, best: Finding) -> bool:
+    """A mask reading `f` that says less than `best` only where its step could not show the rest: its settings are
+    part of best's, and each of best's others is a rule whose showing the mask stage tracks (`shows`: truncation,
+    the eos and padding rules, what counts as truncated) and that f's step does not settle. (An id's mask is
+    tracked by none: a step read as TRL's may have generated that id, and is said.)"""
+    rest = set(best.settings) - set(f.settings)
+    return f.settings.items() <= best.settings.items() and not rest & set(f.settles) and \
+        rest <= {"MASK_TRUNCATED", "COMPLETION_MASK", "TRUNCATED_IF"}
 
 
 def settings_of(findings: list[Finding]) -> tuple[dict, dict, tuple]:

@@ -8,7 +8,9 @@ before its update), so the completions can be scored again under candidate forwa
 - a log-prob of 0 at one id (cross_entropy's ignore_index: LOGP_ZERO_ID), read off your tensors without a pass;
 - each completion ended at its first token of an id (a sampler that stops at the pad id: END_AT_ID): your log-probs
   agree with TRL's through it and not after, and the tokens after it are not compared;
-- log-probs on the raw logits (LOGP_ON_RAW_LOGITS, at a temperature other than 1), another compute dtype (DTYPE).
+- log-probs on the raw logits (LOGP_ON_RAW_LOGITS, at a temperature other than 1), the log_softmax taken on
+  logits cast to bfloat16 or float16 (LOGITS_DTYPE: the model in float32, so it reproduces your log-probs exactly),
+  another compute dtype (DTYPE: only at that dtype's own rounding).
 Which tokens the loss counts is the mask stage's (it reads completions ended as found here). The rule that
 reproduces your log-probs with the fewest switches is the finding; the others that reproduce them as well are said
 as what the run could not tell. Nothing is scored where your log-probs already agree with TRL's rule (one pass), and
@@ -125,7 +127,8 @@ def _hidden_ids(prompts, completions, off, mine, zeros, pad_id, eos_ids) -> list
 def _passes(ids, eos_ids, spec) -> list[tuple]:
     """The forward passes to score: TRL's, each id hidden from attention at either kind of positions (the eos as
     EOS_ATTENTION: the prompt's too) or taken out of the sequence (MASK_TOKEN_DROP), the raw logits at a
-    temperature, the other dtype."""
+    temperature, the log_softmax on low-precision logits (LOGITS_DTYPE: reproduced exactly, at float32's tolerance),
+    the other compute dtype."""
     out = [()]
     for x in ids:
         if x in eos_ids:
@@ -135,6 +138,7 @@ def _passes(ids, eos_ids, spec) -> list[tuple]:
                     (("MASK_TOKEN_ID", x), ("MASK_TOKEN_DROP", True))]  # (out of the sequence: packed without it)
     if spec.TEMPERATURE != 1.0:
         out.append((("LOGP_ON_RAW_LOGITS", not spec.LOGP_ON_RAW_LOGITS),))
+    out += [(("LOGITS_DTYPE", d),) for d in ("bfloat16", "float16") if d != getattr(spec, "LOGITS_DTYPE", "float32")]
     if getattr(spec, "MASTER_WEIGHTS", "float32") == "float32":
         out.append((("DTYPE", "bfloat16" if spec.DTYPE == "float32" else "float32"),))
     return list(dict.fromkeys(out))
@@ -190,7 +194,8 @@ def _scorer(cell, prompts, completions):
         s = dataclasses.replace(spec, **settings)
         rules = {"masked_eos": tuple(cell.eos_ids) if s.EOS_ATTENTION == "mask" else (), "positions": s.POSITIONS,
                  "hidden": (s.ATTENTION_HIDE_ID,) if s.ATTENTION_HIDE_ID >= 0 else (),
-                 "dropped": s.MASK_TOKEN_ID if s.MASK_TOKEN_ID >= 0 and s.MASK_TOKEN_DROP else None}
+                 "dropped": s.MASK_TOKEN_ID if s.MASK_TOKEN_ID >= 0 and s.MASK_TOKEN_DROP else None,
+                 "logits_dtype": s.LOGITS_DTYPE}
         size = max(1, len(completions) // max(1, spec.GRAD_ACCUM))
         out = []
         for at in range(0, len(completions), size):
