@@ -219,6 +219,8 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
     # (what a step could not see served the comparison across steps only)
+    if "unseen" not in best.evidence:
+        return best
     return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items() if k != "unseen"})
 
 
