@@ -78,7 +78,8 @@ def test_advantages_inside_sqrt_batch_none_and_clip():
     clipped = ((centred / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)).clamp(-1.2, 1.2)
     f = identify.advantages(r.tolist(), clipped.tolist(), 4, SPEC)
     if (clipped.abs() == 1.2).any():
-        assert "clips the advantages to [-1.2, 1.2]" in f.rule and f.no_switch, f
+        assert "clamps the advantages to [-1.2, 1.2]" in f.rule and not f.no_switch, f  # ADV_CLAMP since issue 47
+        assert f.settings == {"ADV_CLAMP": 1.2} and "ADV_CLAMP" in f.settles, f
 
 
 def _completions(rng: random.Random, n: int, eos: int, vocab: int, max_tokens: int) -> list[list[int]]:

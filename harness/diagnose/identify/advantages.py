@@ -275,7 +275,8 @@ def _scale(s, live, clipped, group: int, rtol: float):
 
 
 def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> Finding:
-    spec_has = {k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_CLAMP")} if spec else {}
+    spec_has = {k: getattr(spec, k, ADV_FIELDS[k]) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_CLAMP")
+                } if spec else {}
     unsettled, settings, words, no_switch = [], {}, [], False
     if centring == "batch":
         words.append("centres the rewards on the batch's mean (TRL: each group's)")

@@ -8,12 +8,13 @@ from harness.diagnose.identify.steps import _rows_of, steps
 
 
 def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = None, max_tokens: int | None = None,
-         step=None) -> Finding:
+         step=None, advantages=None) -> Finding:
     """The tokens your loss counts, against TRL's (every completion token through the first eos, the eos included;
     none after), read as a rule on token features: whole completions out (the truncated ones: TRL's
     mask_truncated_completions), the eos at the end out, every occurrence of some token ids out (a mask built from
     `ids != pad_id`, where a generated token equal to the pad id drops out too), every position from some index on
-    out (a length limit), or the padding after short completions counted."""
+    out (a length limit), or the padding after short completions counted; with the step's `advantages` (one per
+    row), the completions whose advantage is exactly 0 entirely out (DROP_ZERO_ADV)."""
     eos = set(eos_ids)
     lengths = [len(c) for c in completion_ids]
     truncated = [not c or c[-1] not in eos for c in completion_ids]
@@ -34,7 +35,15 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     token_unsettled: tuple = ()
     # truncated completions entirely out (TRL's mask_truncated_completions), or entirely in against it
     whole = {i for i in range(len(mine)) if lengths[i] and all((i, t) in left for t in range(lengths[i]))}
-    if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]}:
+    zero = {i for i in range(len(mine)) if lengths[i] and advantages is not None and float(advantages[i]) == 0.0}
+    drop_zero = _drop_zero(zero, whole, mask_rows, lengths)
+    if drop_zero is not None:
+        settings["DROP_ZERO_ADV"] = drop_zero
+    if drop_zero:  # (a truncated completion with advantage 0 is out either way: read as this rule)
+        rules.append(f"leaves the {len(zero)} completion(s) whose advantage is exactly 0 out of the loss entirely")
+        left -= {(i, t) for i in zero for t in range(lengths[i])}
+        whole -= zero
+    if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]} - (zero if drop_zero else set()):
         rules.append(f"leaves the {len(whole)} truncated completion(s) (no eos) out of the loss entirely")
         settings["MASK_TRUNCATED"] = True
         left -= {(i, t) for i in whole for t in range(lengths[i])}
@@ -68,21 +77,35 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     # what this step can show: truncation only where a completion is truncated, the eos rule only where one ends
     # with an eos, the padding only where lengths differ
     shows = (("MASK_TRUNCATED",) if any(truncated) else ()) + (
-        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ())
+        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ()) + (
+        ("DROP_ZERO_ADV",) if drop_zero is not None else ())
     if not rules:
         return Finding("mask", step, "your loop counts every completion token through the eos, as TRL does", {},
                        True, same_as_spec=True, evidence=ev, settles=shows)
     spec_mask = getattr(spec, "COMPLETION_MASK", "eos") if spec else "eos"
     settings = {k: v for k, v in settings.items() if not (k == "COMPLETION_MASK" and v == spec_mask)
-                and not (k == "MASK_TRUNCATED" and v == mask_trunc)}
+                and not (k == "MASK_TRUNCATED" and v == mask_trunc)
+                and not (k == "DROP_ZERO_ADV" and v == bool(getattr(spec, "DROP_ZERO_ADV", False)))}
     exact = not unexplained
     spec_token = getattr(spec, "MASK_TOKEN_ID", -1) if spec else -1
     if settings.get("MASK_TOKEN_ID") == spec_token:
         settings.pop("MASK_TOKEN_ID")
     return Finding("mask", step, "your loop " + "; ".join(rules), settings, exact, no_switch=no_switch, evidence=ev,
                    unsettled=token_unsettled,
-                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID")
+                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID", "DROP_ZERO_ADV")
                                  if k in settings or k in shows) if exact and not no_switch else ())
+
+
+def _drop_zero(zero: set, whole: set, mask_rows, lengths) -> bool | None:
+    """Whether the completions whose advantage is exactly 0 (`zero`) are out of the loss: True where every one of
+    them is entirely out (`whole`), False where one of them counts a token; None where this step cannot show it (no
+    such completion, or no advantages saved)."""
+    if not zero:
+        return None
+    if zero <= whole:
+        return True
+    counted = {i for i in zero if any(float(x) > 0.5 for x in mask_rows[i][:lengths[i]])}
+    return False if counted else None
 
 
 def _token_rule(left: set, completion_ids, eos: set, lengths, truncated, masks_truncated, pad_id) -> tuple | None:
@@ -123,8 +146,16 @@ def read(cell, earlier: dict) -> list[Finding]:
     end = next((f.settings["END_AT_ID"] for f in earlier.get("forward", ()) if f.exact and "END_AT_ID" in f.settings),
                -1)
     return [mask(s.tensors["mask"], _ended(s.completions, end), cell.eos_ids, spec, cell.pad_id, spec.MAX_TOKENS,
-                 step=s.step)
+                 step=s.step, advantages=_per_row(s.tensors.get("advantages"), len(s.completions)))
             for s in steps(cell) if "mask" in s.tensors and _rows_of(s.tensors["mask"], len(s.completions))]
+
+
+def _per_row(values, n: int):
+    """One number per completion (a step's advantages), or None where the step saved something else."""
+    if not isinstance(values, list) or len(values) != n:
+        return None
+    flat = [v[0] if isinstance(v, list) and v else v for v in values]
+    return flat if all(isinstance(v, (int, float)) for v in flat) else None
 
 
 def _ended(completions, end: int):
