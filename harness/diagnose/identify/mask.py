@@ -35,15 +35,10 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     token_unsettled: tuple = ()
     # truncated completions entirely out (TRL's mask_truncated_completions), or entirely in against it
     whole = {i for i in range(len(mine)) if lengths[i] and all((i, t) in left for t in range(lengths[i]))}
-    zero = {i for i in range(len(mine)) if lengths[i] and advantages is not None and float(advantages[i]) == 0.0}
-    drop_zero = _drop_zero(zero, whole, mask_rows, lengths)
-    if drop_zero is not None:
-        settings["DROP_ZERO_ADV"] = drop_zero
-    if drop_zero:  # (a truncated completion with advantage 0 is out either way: read as this rule)
-        rules.append(f"leaves the {len(zero)} completion(s) whose advantage is exactly 0 out of the loss entirely")
-        left -= {(i, t) for i in zero for t in range(lengths[i])}
-        whole -= zero
-    if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]} - (zero if drop_zero else set()):
+    said, found, zero, left, whole, shows_zero = _zero_rule(advantages, left, whole, mask_rows, lengths, spec)
+    rules += said
+    settings.update(found)
+    if whole and whole == {i for i, tr in enumerate(truncated) if tr and lengths[i]} - zero:
         rules.append(f"leaves the {len(whole)} truncated completion(s) (no eos) out of the loss entirely")
         settings["MASK_TRUNCATED"] = True
         left -= {(i, t) for i in whole for t in range(lengths[i])}
@@ -77,15 +72,13 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     # what this step can show: truncation only where a completion is truncated, the eos rule only where one ends
     # with an eos, the padding only where lengths differ
     shows = (("MASK_TRUNCATED",) if any(truncated) else ()) + (
-        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ()) + (
-        ("DROP_ZERO_ADV",) if drop_zero is not None else ())
+        ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ()) + shows_zero
     if not rules:
         return Finding("mask", step, "your loop counts every completion token through the eos, as TRL does", {},
                        True, same_as_spec=True, evidence=ev, settles=shows)
     spec_mask = getattr(spec, "COMPLETION_MASK", "eos") if spec else "eos"
     settings = {k: v for k, v in settings.items() if not (k == "COMPLETION_MASK" and v == spec_mask)
-                and not (k == "MASK_TRUNCATED" and v == mask_trunc)
-                and not (k == "DROP_ZERO_ADV" and v == bool(getattr(spec, "DROP_ZERO_ADV", False)))}
+                and not (k == "MASK_TRUNCATED" and v == mask_trunc)}
     exact = not unexplained
     spec_token = getattr(spec, "MASK_TOKEN_ID", -1) if spec else -1
     if settings.get("MASK_TOKEN_ID") == spec_token:
@@ -96,16 +89,22 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
                                  if k in settings or k in shows) if exact and not no_switch else ())
 
 
-def _drop_zero(zero: set, whole: set, mask_rows, lengths) -> bool | None:
-    """Whether the completions whose advantage is exactly 0 (`zero`) are out of the loss: True where every one of
-    them is entirely out (`whole`), False where one of them counts a token; None where this step cannot show it (no
-    such completion, or no advantages saved)."""
-    if not zero:
-        return None
-    if zero <= whole:
-        return True
-    counted = {i for i in zero if any(float(x) > 0.5 for x in mask_rows[i][:lengths[i]])}
-    return False if counted else None
+def _zero_rule(advantages, left: set, whole: set, mask_rows, lengths, spec) -> tuple:
+    """Whether the completions whose advantage is exactly 0 are out of the loss (DROP_ZERO_ADV): read where every one
+    of them is entirely out (`whole`; a truncated one with advantage 0 is out either way: read as this rule), or one
+    of them counts a token; not where the step has none, or saved no advantages. (words, settings against the spec,
+    the completions out by it, `left` and `whole` without them, the fields the step shows)."""
+    zero = {i for i in range(len(lengths)) if lengths[i] and advantages is not None and float(advantages[i]) == 0.0}
+    out = bool(zero) and zero <= whole
+    counted = any(float(x) > 0.5 for i in zero for x in mask_rows[i][:lengths[i]])
+    if not out and not counted:
+        return [], {}, set(), left, whole, ()
+    found = {"DROP_ZERO_ADV": out} if out != bool(getattr(spec, "DROP_ZERO_ADV", False)) else {}
+    if not out:
+        return [], found, set(), left, whole, ("DROP_ZERO_ADV",)
+    said = f"leaves the {len(zero)} completion(s) whose advantage is exactly 0 out of the loss entirely"
+    return [said], found, zero, left - {(i, t) for i in zero for t in range(lengths[i])}, whole - zero, \
+        ("DROP_ZERO_ADV",)
 
 
 def _token_rule(left: set, completion_ids, eos: set, lengths, truncated, masks_truncated, pad_id) -> tuple | None:
