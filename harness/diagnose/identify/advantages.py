@@ -123,8 +123,8 @@ def _extras_finding(fits: list, kind: dict, spec_has: dict, step) -> Finding:
     if kind.get("ADV_CLAMP"):
         words.append(f"then clamps them to [-{kind['ADV_CLAMP']:g}, {kind['ADV_CLAMP']:g}]")
     differ = sorted({k for _, b in fits[1:] for k, v in b.items() if not _same(full.get(k), v)})
-    unsettled = (f"{len(fits)} group rules fit alike under it ({', '.join(differ)} could not be told): the first, the "
-                 "closest to the spec, is said",) if differ else ()
+    unsettled = (f"under {' and '.join(k for k in sorted(kind))}, {len(fits)} group rules fit alike: "
+                 f"{', '.join(differ)} could not be told (the one closest to the spec is said)",) if differ else ()
     settings = {k: v for k, v in full.items() if not _same(spec_has.get(k, ADV_FIELDS[k]), v)}
     return Finding("advantages", step, "your loop " + " ".join(words), settings, True, unsettled=unsettled,
                    settles=tuple(k for k in ADV_FIELDS if k not in differ and k != "ADV_BASELINE"),
