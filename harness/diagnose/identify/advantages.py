@@ -15,9 +15,9 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
                mask=None) -> Finding:
     """Your advantages as a function of your own rewards (`_centred_on_a_mean`), and where no centring on a mean
     fits, on the mean of the group's other completions (leave-one-out, `_leave_one_out`); where neither reproduces
-    them to float32's rounding, the built-in loop's advantage quirks on top of a group rule (`_extras`: float16
-    statistics, a second normalisation over the loss tokens of `mask`, your loop's loss mask rows, then a clamp),
-    the simplest that reproduces them exactly winning."""
+    them (or only a rule with no switch does), the built-in loop's advantage quirks on top of a group rule (`_extras`:
+    float16 statistics, a second normalisation over the loss tokens of `mask`, your loop's loss mask rows, then a
+    clamp), the simplest that reproduces them exactly winning."""
     found = _centred_on_a_mean(rewards, adv, group, spec, rtol, atol, step)
     if not found.readable or group < 2:
         return found
@@ -30,11 +30,10 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
     if loo is not None and (not found.exact or found.no_switch or _misfit(r, a, group, spec, loo.settings)
                             < max(_misfit(r, a, group, spec, found.settings), FLOAT32_ALIKE)):
         found = loo
-    misfit = _misfit(r, a, group, spec, found.settings, mask) if found.exact and not found.no_switch else np.inf
-    if misfit <= FLOAT32_ALIKE or len(r) != len(a) or np.isnan(r).any():
-        return found
-    extra = _extras(r, a, group, spec, mask, rtol, atol, step)  # an exact rule beats a fit to tolerance
-    return extra if extra is not None and extra.evidence["misfit"] < misfit else found
+    if found.exact and not found.no_switch or len(r) != len(a) or np.isnan(r).any():
+        return found  # one rule reproduces them (a float32 residue left out, as NeMo-RL's): simpler than a quirk on top
+    extra = _extras(r, a, group, spec, mask, rtol, atol, step)
+    return extra if extra is not None else found
 
 
 FLOAT32_ALIKE = 1e-6  # relative misfits below this are float32 rounding of the saved advantages (2^-23 ~ 1.2e-7 each)
