@@ -672,3 +672,17 @@ def test_completions_with_advantage_zero_out_of_the_mask_read_as_drop_zero_adv()
     f = identify.mask(kept, comps, [2], SPEC, advantages=[0.5, 0.1, -0.5, -0.1])
     assert f.same_as_spec and "DROP_ZERO_ADV" not in f.settles, f
     assert not identify.mask(out, comps, [2], SPEC, advantages=[0.5, 0.3, -0.5, 0.0]).exact  # one with A != 0 out
+
+
+def test_leave_one_out_beats_a_population_std_with_a_clamp_that_happens_to_fit():
+    """Groups where one completion differs ([1, 0, 0, 0]): leave-one-out (NeMo-RL's) gives the odd one 1 (its others
+    alike: undivided) and the rest -(1/3) / std([1, 0, 0]) = -0.57735; the group's population std 0.4330 with a clamp
+    at 1 gives 0.75 / 0.4330 -> 1 and -0.25 / 0.4330 = -0.57735 too. A clamp is one more part: leave-one-out is said
+    (golden public-nemorl-is, step 6)."""
+    r = torch.tensor([1.0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0])
+    grouped = r.view(-1, 4)
+    others = (grouped.sum(1, keepdim=True) - grouped) / 3
+    sd = ((((grouped * grouped).sum(1, keepdim=True) - grouped * grouped) / 3 - others * others) * 1.5).clamp(min=0).sqrt()
+    adv = torch.where(sd > 0, (grouped - others) / (sd + 1e-6), grouped - others).reshape(-1)
+    f = identify.advantages(r.tolist(), adv.tolist(), 4, SPEC, mask=[[1.0] * 3] * 16)
+    assert f.exact and f.settings.get("ADV_BASELINE") == "loo" and "ADV_CLAMP" not in f.settings, f

@@ -26,8 +26,11 @@ def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: fl
     # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
     # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely; misfits under
     # FLOAT32_ALIKE are float32 rounding of the saved values, alike: then leave-one-out, which needs no epsilon
-    # (a fit's epsilon snapped to the digits its uncertainty allows can otherwise win by a rounding)
-    if loo is not None and (not found.exact or found.no_switch or _misfit(r, a, group, spec, loo.settings)
+    # (a fit's epsilon snapped to the digits its uncertainty allows can otherwise win by a rounding); a std with a
+    # clamp after it is two parts: where leave-one-out fits too, it is the simpler (NeMo-RL's, a step whose groups
+    # a population std and a clamp at 1 happen to give)
+    if loo is not None and (not found.exact or found.no_switch or "ADV_CLAMP" in found.settings
+                            or _misfit(r, a, group, spec, loo.settings)
                             < max(_misfit(r, a, group, spec, found.settings), FLOAT32_ALIKE)):
         found = loo
     if found.exact and not found.no_switch or len(r) != len(a) or np.isnan(r).any():
