@@ -61,18 +61,20 @@ def loo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
-                     eps: float = 1e-4, eps_inside: bool = False, baseline: str = "group"
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float = 1e-4, eps_inside: bool = False, baseline: str = "group",
+                     stats_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = (r_i - mean(group)) / (std + eps), or / sqrt(var + eps) with `eps_inside` (a quirk; TRL adds eps).
 
     `rewards` (B,) are grouped in consecutive runs of `group_size`. `scale`: `group` divides by the
     group's std, `batch` by the std of all B rewards (the mean stays per group, as TRL), `none` not at
     all. Returns (advantages, the std used per element), the std also when `scale = none` (TRL uses
     it to count zero-std groups). NaN rewards are left out of mean and std; their advantage is 0. `baseline = loo`:
-    loo_advantages (a quirk).
+    loo_advantages (a quirk). `stats_dtype = float16`: half_stats_advantages (a quirk).
     """
     if baseline == "loo":
         return loo_advantages(rewards, group_size, scale, std, eps, eps_inside)
+    if stats_dtype == "float16":
+        return half_stats_advantages(rewards, group_size, scale, std, eps, eps_inside)
     unbiased = std == "bessel"
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
@@ -84,6 +86,54 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale != "none":
         adv = adv / (torch.sqrt(sd * sd + eps) if eps_inside else sd + eps)
     return torch.nan_to_num(adv, nan=0.0), sd
+
+
+def half_stats_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "bessel",
+                          eps: float = 1e-4, eps_inside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_advantages with the group statistics in float16 (a quirk: a loop that casts its rewards to half
+    precision first): torch's own mean and std (or var, with `eps_inside`) on the float16 rewards, the centring,
+    the `+ eps` and the division in float16 too, as such a loop writes them; the advantages come back in float32.
+    Returns (advantages, the std used per element, in float32). The rewards must hold no NaN (a weighted nansum)."""
+    half = rewards.to(torch.float16)
+    grouped = half.view(-1, group_size)
+    correction = int(std == "bessel")
+    src, dims = (half, {}) if scale == "batch" else (grouped, {"dim": 1, "keepdim": True})
+    sd = src.std(correction=correction, **dims)
+    adv = grouped - grouped.mean(1, keepdim=True)
+    if scale != "none":
+        adv = adv / (torch.sqrt(src.var(correction=correction, **dims) + eps) if eps_inside else sd + eps)
+    sd = sd.float().expand(grouped.shape).reshape(-1) if scale == "batch" else sd.float().repeat_interleave(group_size)
+    return adv.reshape(-1).float(), sd
+
+
+def drop_zero_advantages(l_mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """The loss mask (B, T) with every completion whose advantage is exactly 0 left out (a quirk: TRL trains on
+    them, their policy-gradient term 0 and their tokens still counted in a token-mean and a KL)."""
+    return l_mask * (advantages != 0).unsqueeze(1).to(l_mask.dtype)
+
+
+def renorm_over_tokens(advantages: torch.Tensor, l_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """The advantages (B,) normalised a second time over the loss's tokens (a quirk): each completion's advantage
+    counted once per loss token it has, A_i <- (A_i - mean) / (std + eps), Bessel's std over those tokens; left as
+    they are where fewer than 2 tokens count."""
+    per_token = advantages.unsqueeze(1).expand_as(l_mask)[l_mask > 0]
+    if per_token.numel() < 2:
+        return advantages
+    return (advantages - per_token.mean()) / (per_token.std() + eps)
+
+
+def shape_advantages(advantages: torch.Tensor, l_mask: torch.Tensor, drop_zero: bool = False, renorm: str = "none",
+                     clamp: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three quirks after the group advantages, in the order loops write them (TRL does none): the completions
+    whose advantage is exactly 0 out of the loss mask (`drop_zero`), a second normalisation over the loss's tokens
+    (`renorm = tokens`), then a clamp to [-clamp, clamp] (0 = off). Returns (advantages, loss mask)."""
+    if drop_zero:
+        l_mask = drop_zero_advantages(l_mask, advantages)
+    if renorm == "tokens":
+        advantages = renorm_over_tokens(advantages, l_mask)
+    if clamp > 0:
+        advantages = advantages.clamp(-clamp, clamp)
+    return advantages, l_mask
 
 
 def shape_rewards(rewards: torch.Tensor, clip: float = 0.0, seq_kl: torch.Tensor | None = None,

@@ -235,7 +235,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         rewards = (rewards_per_func * reward_w).nansum(dim=1)
         rewards = core.shape_rewards(rewards, spec.REWARD_CLIP)  # a quirk when > 0: TRL takes the sum as it is
         advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
-                                                     spec.STD_EPS_INSIDE, spec.ADV_BASELINE)
+                                                     spec.STD_EPS_INSIDE, spec.ADV_BASELINE,
+                                                     spec.ADV_STATS_DTYPE)
 
         # ---- 4. pad the round; logp_old, reference and IS weights (no grad) --------------------------
         if spec.END_AT_ID >= 0:  # a quirk: each completion ends at its first token of this id (the pad id, say)
@@ -276,7 +277,11 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             seq_kl = (core.kl_estimate(now, ref_logps, spec.KL_ESTIMATOR) * l_mask).sum(-1)
             rewards = core.shape_rewards(rewards, seq_kl=seq_kl, beta=spec.BETA)
             advantages, std_used = core.group_advantages(rewards, G, spec.ADV_SCALE, spec.STD, spec.STD_EPS,
-                                                         spec.STD_EPS_INSIDE, spec.ADV_BASELINE)
+                                                         spec.STD_EPS_INSIDE, spec.ADV_BASELINE,
+                                                         spec.ADV_STATS_DTYPE)
+        # quirks after the group's advantages (TRL: none): A = 0 out of the loss, a second normalisation, a clamp
+        advantages, l_mask = core.shape_advantages(advantages, l_mask, spec.DROP_ZERO_ADV, spec.ADV_RENORM,
+                                                   spec.ADV_CLAMP)
         is_w, mismatch = None, {}
         if sampler_logps is not None:
             s_lp = pad_right(sampler_logps, 0.0, dtype=torch.float32)[0].to(device)

@@ -575,3 +575,58 @@ def test_a_token_hidden_from_attention_scores_as_if_deleted_at_its_positions():
     torch.testing.assert_close(counted[:2], seen[:2], rtol=1e-5, atol=1e-5)  # before it and at it: as seen
     assert (counted[2:] - plain[2:]).abs().max() > 1e-4 and (seen[2:] - plain[2:]).abs().max() > 1e-4
     assert zeroed[1] == 0 and torch.equal(zeroed[[0, 2, 3]], seen[[0, 2, 3]])
+
+
+def test_float16_group_statistics_by_hand():
+    """rewards 0, 0.5, 1.5, 1.5: mean 0.875, Bessel std 0.75; in float16 0.75 + 1e-4 rounds back to 0.75 (spacing
+    2^-11), so A = -0.875 / 0.75 = -1.1667 -> -1.1669921875 (nearest float16, spacing 2^-10), -0.5, and 0.625 / 0.75 =
+    0.8333 -> 0.83349609375 (spacing 2^-11); float32 divides by 0.7501: -1.16651, -0.49993, 0.83322."""
+    r = torch.tensor([0.0, 0.5, 1.5, 1.5])
+    adv, sd = core.group_advantages(r, 4, stats_dtype="float16")
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == [-1.1669921875, -0.5, 0.83349609375, 0.83349609375]
+    assert sd.tolist() == [0.75] * 4
+    adv32, _ = core.group_advantages(r, 4)
+    assert adv32[0].item() == pytest.approx(-0.875 / 0.7501, rel=1e-6)
+
+
+def test_float16_statistics_batch_and_none():
+    """batch: the mean per group, the std of all 8 (float16); none: only the centring (exact here)."""
+    r = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # group 1 mean 0.5, group 2 mean 0; batch std: 8
+    # values, mean 0.25, squares' sum 2 x 0.5625 + 6 x 0.0625 = 1.5, /7 -> var 0.2142857, std 0.46291
+    adv, _ = core.group_advantages(r, 4, scale="none", stats_dtype="float16")
+    assert adv.tolist() == [-0.5, 0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+    adv, sd = core.group_advantages(r, 4, scale="batch", eps=0.0, stats_dtype="float16")
+    assert sd[0].item() == pytest.approx(math.sqrt(1.5 / 7), abs=5e-4)  # float16's precision
+    assert adv[1].item() == pytest.approx(0.5 / math.sqrt(1.5 / 7), abs=2e-3) and adv[4].item() == 0.0
+
+
+def test_drop_zero_advantages_by_hand():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    out = core.drop_zero_advantages(mask, torch.tensor([0.5, 0.0, -0.5]))
+    assert out.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
+
+
+def test_renorm_over_tokens_by_hand():
+    """A = 1, -1, 0 over 3, 1, 2 loss tokens: the tokens 1, 1, 1, -1, 0, 0 have mean 1/3, squares' sum of the
+    deviations 3 x 4/9 + 16/9 + 2 x 1/9 = 10/3, Bessel's variance 2/3: (1 - 1/3) / sqrt(2/3) = sqrt(2/3),
+    (-1 - 1/3) / sqrt(2/3) = -2 sqrt(2/3), (0 - 1/3) / sqrt(2/3) = -sqrt(2/3) / 2 (per completion it would be 1, -1, 0)."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    s = math.sqrt(2 / 3)
+    out = core.renorm_over_tokens(torch.tensor([1.0, -1.0, 0.0]), mask)
+    assert out.tolist() == pytest.approx([s, -2 * s, -s / 2], rel=1e-6)
+    one = torch.tensor([[1, 0, 0], [0, 0, 0], [0, 0, 0]])  # a single loss token: nothing to normalise over
+    assert core.renorm_over_tokens(torch.tensor([1.0, -1.0, 0.0]), one).tolist() == [1.0, -1.0, 0.0]
+
+
+def test_shape_advantages_order_by_hand():
+    """drop first, then the renorm over the tokens left, then the clamp: A = 1, -1, 0 with the third out of the
+    loss leaves the tokens 1, 1, 1, -1: mean 0.5, deviations' squares 3 x 0.25 + 2.25 = 3, variance 1, so A = 0.5,
+    -1.5, -0.5 (the dropped one renormalised too), then clamped to +-1.2."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    adv, m = core.shape_advantages(torch.tensor([1.0, -1.0, 0.0]), mask, drop_zero=True, renorm="tokens")
+    assert adv.tolist() == pytest.approx([0.5, -1.5, -0.5], rel=1e-6) and m.tolist()[2] == [0, 0, 0]
+    adv, _ = core.shape_advantages(torch.tensor([1.0, -1.0, 0.0]), mask, drop_zero=True, renorm="tokens", clamp=1.2)
+    assert adv.tolist() == pytest.approx([0.5, -1.2, -0.5], rel=1e-6)
+    adv, m = core.shape_advantages(torch.tensor([2.5, -0.3, -1.7]), mask, clamp=1.0)
+    assert adv.tolist() == pytest.approx([1.0, -0.3, -1.0]) and m is mask

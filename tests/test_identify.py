@@ -78,7 +78,8 @@ def test_advantages_inside_sqrt_batch_none_and_clip():
     clipped = ((centred / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)).clamp(-1.2, 1.2)
     f = identify.advantages(r.tolist(), clipped.tolist(), 4, SPEC)
     if (clipped.abs() == 1.2).any():
-        assert "clips the advantages to [-1.2, 1.2]" in f.rule and f.no_switch, f
+        assert "clamps the advantages to [-1.2, 1.2]" in f.rule and not f.no_switch, f  # ADV_CLAMP since issue 47
+        assert f.settings == {"ADV_CLAMP": 1.2} and "ADV_CLAMP" in f.settles, f
 
 
 def _completions(rng: random.Random, n: int, eos: int, vocab: int, max_tokens: int) -> list[list[int]]:
@@ -124,19 +125,20 @@ def test_mask_no_eos_truncated_padding_and_same():
 
 def test_mask_from_ids_with_completions_of_advantage_0_left_out():
     """A mask built as `ids != pad_id` in a loop that also leaves out the completions whose advantage is exactly 0:
-    the whole rows out are set aside (said, no switch) and the pad id is still read (MASK_TOKEN_ID). Where a
-    completion of advantage 0 stays in, no such rule is read."""
+    the whole rows out are read as DROP_ZERO_ADV and the pad id is still read on the rest (MASK_TOKEN_ID). Where a
+    completion of advantage 0 stays in, no such rule is read, and the step shows the switch off."""
     comps = [[5, 0, 6, 2], [7, 8, 2], [0, 9, 2], [4, 4, 4, 2]]  # pad 0 generated in rows 0 and 2
     adv = [0.7, -0.7, 0.0, 0.0]  # rows 2 and 3: a group whose rewards are equal
     width = max(map(len, comps))
     rows = [[int(t < len(c) and c[t] != 0 and a != 0) for t in range(width)] for c, a in zip(comps, adv)]
     f = identify.mask(rows, comps, [2], SPEC, pad_id=0, advantages=adv)
-    assert f.exact and f.settings == {"MASK_TOKEN_ID": 0}, f
-    assert "2 completion(s) whose advantage is exactly 0" in f.rule and f.no_switch, f
+    assert f.exact and f.settings == {"MASK_TOKEN_ID": 0, "DROP_ZERO_ADV": True}, f
+    assert "2 completion(s) whose advantage is exactly 0" in f.rule and not f.no_switch, f
     assert not identify.mask(rows, comps, [2], SPEC, pad_id=0).exact  # (without the advantages: unexplained)
     kept = [[int(t < len(c) and c[t] != 0) for t in range(width)] for c in comps]
     f = identify.mask(kept, comps, [2], SPEC, pad_id=0, advantages=adv)
     assert f.settings == {"MASK_TOKEN_ID": 0} and "advantage" not in f.rule and not f.no_switch, f
+    assert "DROP_ZERO_ADV" in f.settles, f
 
 
 def test_mask_truncated_by_a_loop_that_checks_for_an_eos():
@@ -647,3 +649,85 @@ def test_an_objective_read_where_every_advantage_is_0_says_nothing():
     logp = (-torch.rand(4, 3)).tolist()
     f = identify.objective([[0.0] * 3] * 4, [0.0] * 4, logp, [[1] * 3] * 4, [3] * 4, spec=SPEC)
     assert not f.readable, f
+
+
+# ---- the advantage quirks of issue 47 (made as the loops write them, read back as the built-in loop's switches) -----
+def _group_std_advantages(r: torch.Tensor, g: int, correction: int = 1, eps: float = 1e-4, half: bool = False):
+    x = r.to(torch.float16) if half else r
+    grouped = x.view(-1, g)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True, correction=correction) + eps)
+            ).reshape(-1).float()
+
+
+def _token_renorm(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # as issue 47's two loops write it
+    tok_adv = adv.unsqueeze(1).expand_as(mask)[mask > 0]
+    return (adv - tok_adv.mean()) / (tok_adv.std() + 1e-8)
+
+
+def _lengths_mask(rng: random.Random, n: int, width: int = 8) -> torch.Tensor:
+    return torch.tensor([[1.0] * (k := rng.randint(1, width)) + [0.0] * (width - k) for _ in range(n)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_advantages_renormalised_over_the_loss_tokens_are_read_exactly(seed):
+    """A second normalisation over the step's loss tokens (each completion weighted by its length) was read as
+    leave-one-out with a negative std epsilon (issue 47): it is ADV_RENORM = "tokens", and with a clamp after it
+    (one of the issue's loops clamps to +-2), ADV_CLAMP too; without the mask saved it is not read at all."""
+    rng = random.Random(seed)
+    r = _rewards(rng, 4, 4)
+    while r.view(-1, 4).std(1).eq(0).all():
+        r = _rewards(rng, 4, 4)
+    mask = _lengths_mask(rng, 16)
+    adv = _token_renorm(_group_std_advantages(r, 4), mask)
+    f = identify.advantages(r.tolist(), adv.tolist(), 4, SPEC, mask=mask.tolist())
+    assert f.exact and f.settings.get("ADV_RENORM") == "tokens" and "ADV_BASELINE" not in f.settings, f
+    assert "second time over the step's loss tokens" in f.rule and f.settings.get("STD_EPS", 1e-4) >= 0, f
+    bound = round(float(adv.abs().max()) * 0.8, 2)
+    clamped = adv.clamp(-bound, bound)
+    f = identify.advantages(r.tolist(), clamped.tolist(), 4, SPEC, mask=mask.tolist())
+    assert f.exact and f.settings.get("ADV_RENORM") == "tokens" and f.settings.get("ADV_CLAMP") == bound, (f, bound)
+    assert not identify.advantages(r.tolist(), adv.tolist(), 4, SPEC).settings.get("ADV_RENORM"), "no mask: no rule"
+
+
+def test_advantages_from_float16_statistics_are_read_exactly():
+    """Group statistics on float16 rewards (issue 47): no float32 std + epsilon gives them to the rewards' precision;
+    ADV_STATS_DTYPE = "float16" with the loop's own epsilon does, to the bit. The population std is told from
+    Bessel's (no second normalisation hides it here)."""
+    rng = random.Random(5)
+    r = _rewards(rng, 6, 4)
+    for correction, std in ((1, "bessel"), (0, "population")):
+        adv = _group_std_advantages(r, 4, correction, half=True)
+        f = identify.advantages(r.tolist(), adv.tolist(), 4, SPEC)
+        assert f.exact and f.settings.get("ADV_STATS_DTYPE") == "float16", f
+        assert f.settings.get("STD", "bessel") == std and "float16 rewards" in f.rule, f
+
+
+def test_completions_with_advantage_zero_out_of_the_mask_read_as_drop_zero_adv():
+    """A loop that leaves the completions whose advantage is exactly 0 out of its loss mask (issue 47: read as a mask
+    on token ids 0, 1, 2, 4, 5, 6): DROP_ZERO_ADV; where they count, the step settles the switch off; a step with no
+    advantage 0 says nothing of it."""
+    comps = [[5, 6, 2], [7, 2], [8, 9, 9, 3], [4, 2]]
+    out = [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+    f = identify.mask(out, comps, [2], SPEC, advantages=[0.5, 0.0, -0.5, 0.0])
+    assert f.exact and f.settings == {"DROP_ZERO_ADV": True} and "DROP_ZERO_ADV" in f.settles, f
+    assert "advantage is exactly 0" in f.rule
+    kept = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+    f = identify.mask(kept, comps, [2], SPEC, advantages=[0.5, 0.0, -0.5, 0.0])
+    assert f.same_as_spec and "DROP_ZERO_ADV" in f.settles, f
+    f = identify.mask(kept, comps, [2], SPEC, advantages=[0.5, 0.1, -0.5, -0.1])
+    assert f.same_as_spec and "DROP_ZERO_ADV" not in f.settles, f
+    assert not identify.mask(out, comps, [2], SPEC, advantages=[0.5, 0.3, -0.5, 0.0]).exact  # one with A != 0 out
+
+
+def test_leave_one_out_beats_a_population_std_with_a_clamp_that_happens_to_fit():
+    """Groups where one completion differs ([1, 0, 0, 0]): leave-one-out (NeMo-RL's) gives the odd one 1 (its others
+    alike: undivided) and the rest -(1/3) / std([1, 0, 0]) = -0.57735; the group's population std 0.4330 with a clamp
+    at 1 gives 0.75 / 0.4330 -> 1 and -0.25 / 0.4330 = -0.57735 too. A clamp is one more part: leave-one-out is said
+    (golden public-nemorl-is, step 6)."""
+    r = torch.tensor([1.0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0])
+    grouped = r.view(-1, 4)
+    others = (grouped.sum(1, keepdim=True) - grouped) / 3
+    sd = ((((grouped * grouped).sum(1, keepdim=True) - grouped * grouped) / 3 - others * others) * 1.5).clamp(min=0).sqrt()
+    adv = torch.where(sd > 0, (grouped - others) / (sd + 1e-6), grouped - others).reshape(-1)
+    f = identify.advantages(r.tolist(), adv.tolist(), 4, SPEC, mask=[[1.0] * 3] * 16)
+    assert f.exact and f.settings.get("ADV_BASELINE") == "loo" and "ADV_CLAMP" not in f.settings, f

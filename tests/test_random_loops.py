@@ -61,7 +61,9 @@ SOURCE_OF_QUIRK = {
     "LOSS_DIVISOR": "seq-mean-token-sum", "LOSS_SUM": "loss = (per_token * mask).sum()\n", "LOGP_OLD": "this pass",
     "WEIGHT_DECAY_ALL": "AdamW(model.parameters()", "SELECTION": "parity.trained(", "KL_ESTIMATOR": "kl = ",
     "STD_EPS": "+ STD_EPS", "LOGP_ZERO_ID": "ignore_index=PAD", "LOGITS_DTYPE": "logits.to(torch.bfloat16)",
-    "TRUNCATED_IF": "EOS in batch['completion_ids']",
+    "TRUNCATED_IF": "EOS in batch['completion_ids']", "ADV_STATS_DTYPE": "rewards.to(torch.float16)",
+    "ADV_RENORM": "(adv_rows - tok_adv.mean()) / (tok_adv.std() + 1e-8)", "ADV_CLAMP": "adv.clamp(-1.0, 1.0)",
+    "DROP_ZERO_ADV": "* (adv_rows != 0)",
 }
 
 
@@ -193,18 +195,29 @@ def test_the_scorer_takes_a_right_explanation_and_names_each_kind_of_miss():
 
 def test_a_drawn_choice_that_cannot_act_in_this_loop_is_not_asked_for():
     """Completions with A = 0 left out change nothing where each completion's mean is divided by the round's count
-    and there is no KL (grpo's form): they add 0 either way; under dapo's token count they change the divisor."""
-    assert _answer({"adv_extra": "drop_zero_adv"})["inexpressible"] == []
-    assert _answer({"adv_extra": "drop_zero_adv", "agg": "dapo"})["inexpressible"][0][0] == "adv_extra=drop_zero_adv"
+    and there is no KL (grpo's form): they add 0 either way (the switch may be named or not: the saved mask shows
+    it); under dapo's token count they change the divisor: the switch is asked for."""
+    moot = _answer({"adv_extra": "drop_zero_adv"})
+    assert moot["inexpressible"] == [] and "DROP_ZERO_ADV" in moot["unsure"] and moot["moot"]
+    acts = _answer({"adv_extra": "drop_zero_adv", "agg": "dapo"})
+    assert acts["quirks"] == {"DROP_ZERO_ADV": True} and "DROP_ZERO_ADV" not in acts["unsure"]
+    assert score(acts, _out({"loss_type": "dapo"}, verdict="parity", status=None), RUN)["misses"] == \
+        ["parity_claimed", "quirk_missing:DROP_ZERO_ADV"]
+    assert score(moot, _out(quirks={"DROP_ZERO_ADV": True}, verdict="parity", status=None), RUN)["right"]
     assert _answer({"forward": "ce_ignore_pad", "mask": "ids_ne_pad"})["inexpressible"] == []
     assert "LOGP_ZERO_ID" not in _answer({"forward": "ce_ignore_pad", "mask": "ids_ne_pad"})["quirks"]
     assert _answer({"forward": "ce_ignore_pad"})["quirks"] == {"LOGP_ZERO_ID": 0}  # the pad id, a switch since 47
 
 
 def test_the_scorer_fails_an_inexpressible_choice_whatever_the_verdict():
-    answer = _answer({"adv_extra": "clamp_1"})
-    assert answer["inexpressible"] == [["adv_extra=clamp_1", "advantages clamped to [-1, 1]"]]
-    assert score(answer, _out(verdict="parity", status=None), RUN)["misses"] == ["inexpressible:adv_extra=clamp_1"]
+    answer = _answer({"adv_extra": "range_scale", "adv_scale": "none"})  # on purpose: no switch divides by a range
+    assert answer["inexpressible"] == [["adv_extra=range_scale",
+                                        "advantages divided by the group's reward range (max - min)"]]
+    assert answer["trl"] == {"scale_rewards": "none"}  # the range in place of the std
+    assert score(answer, _out({"scale_rewards": "none"}, status="suspected"), RUN)["misses"] == [
+        "inexpressible:adv_extra=range_scale"]
+    clamp = _answer({"adv_extra": "clamp_1"})  # a switch since issue 47: ADV_CLAMP
+    assert clamp["inexpressible"] == [] and clamp["quirks"] == {"ADV_CLAMP": 1.0}
 
 
 def test_the_scorer_wants_what_cannot_show_said_and_lets_unsure_fields_be_left_out():

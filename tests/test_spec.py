@@ -55,6 +55,10 @@ def test_paths_in_a_spec_are_relative_to_its_folder_and_set_paths_to_the_cwd(tmp
     ("model.source=\"local\"", "model.path", "required"),
     ("data.operations=[\"/\"]", "data.operations[0]", "must be one of"),
     ("model=3", "model", "must be a table"),
+    ("ADV_STATS_DTYPE=\"bfloat16\"", "ADV_STATS_DTYPE", "must be one of"),
+    ("ADV_RENORM=\"sequences\"", "ADV_RENORM", "must be one of"),
+    ("ADV_CLAMP=-1.0", "ADV_CLAMP", "must be >= 0"),
+    ("DROP_ZERO_ADV=1", "DROP_ZERO_ADV", "must be"),
 ])
 def test_bad_values_name_the_key(override, key, words):
     with pytest.raises(SpecError) as err:
@@ -137,3 +141,14 @@ def test_dropping_a_token_without_its_id_is_no_difference():
     checks = lambda spec: {d.check for d in preflight(spec)[1]}  # noqa: E731
     assert "quirk:MASK_TOKEN_DROP" not in checks(load_spec(DEFAULT_SPEC, ["MASK_TOKEN_DROP=true"]))
     assert "quirk:MASK_TOKEN_DROP" in checks(load_spec(DEFAULT_SPEC, ["MASK_TOKEN_DROP=true", "MASK_TOKEN_ID=0"]))
+
+
+def test_float16_statistics_need_the_groups_own_mean():
+    """ADV_STATS_DTYPE = "float16" is written for a group-mean baseline: with leave-one-out the field is named, and
+    the fix."""
+    with pytest.raises(SpecError) as err:
+        load_spec(DEFAULT_SPEC, ['ADV_STATS_DTYPE="float16"', 'ADV_BASELINE="loo"'])
+    assert err.value.key == "ADV_STATS_DTYPE" and 'ADV_BASELINE = "group"' in str(err.value)
+    spec = load_spec(DEFAULT_SPEC, ['ADV_STATS_DTYPE="float16"', 'ADV_RENORM="tokens"', "ADV_CLAMP=2.0",
+                                    "DROP_ZERO_ADV=true"])
+    assert (spec.ADV_STATS_DTYPE, spec.ADV_RENORM, spec.ADV_CLAMP, spec.DROP_ZERO_ADV) == ("float16", "tokens", 2.0, True)

@@ -315,6 +315,10 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
     T.append(_row("other", "STD", spec.STD, "(fixed)", "bessel",
                   "TRL divides by the Bessel-corrected group std (nanstd, n-1); many scratch loops use n"))
     T.append(_row("other", "STD_EPS", spec.STD_EPS, "(fixed)", 1e-4, "TRL adds 1e-4 to the std"))
+    T.append(_row("other", "ADV_STATS_DTYPE / DROP_ZERO_ADV / ADV_RENORM / ADV_CLAMP",
+                  f"{spec.ADV_STATS_DTYPE} / {spec.DROP_ZERO_ADV} / {spec.ADV_RENORM} / {spec.ADV_CLAMP}", "(fixed)",
+                  "float32 / False / none / 0.0", "TRL computes the group statistics in float32, trains on every "
+                  "completion, normalises once and never clamps; no setting changes any of these"))
     T.append(_row("other", "ATTENTION_HIDE_ID / POSITIONS", f"{spec.ATTENTION_HIDE_ID} / {spec.POSITIONS}", "(fixed)",
                   "-1 / auto", "TRL's attention mask is the padding mask and it passes no position ids (the model's "
                   "own); no setting hides a token id or counts positions over the mask"))

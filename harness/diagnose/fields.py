@@ -174,6 +174,28 @@ FIELDS = {
         trl_fixed="group", quantity="advantage baseline", preflight_words={
             "loo": "centres each reward on the mean of its group's other completions (leave-one-out); TRL centres on "
                    "the group's own mean and has no option for another"}),
+    "ADV_STATS_DTYPE": Field(
+        None, words=lambda v: f"computes the group statistics on {v} rewards (TRL: float32)",
+        trl_fixed="float32", quantity="group statistics' dtype", preflight_words={
+            "float16": "computes the group statistics on float16 rewards; TRL computes them in float32 and has no "
+                       "option for another dtype"}),
+    "DROP_ZERO_ADV": Field(
+        None, words=lambda v: ("leaves every completion whose advantage is exactly 0 out of the loss (TRL trains on "
+                               "them)" if v else "trains on completions whose advantage is 0"),
+        trl_fixed=False, quantity="completions with advantage 0 out of the loss", preflight_words={
+            True: "leaves the completions whose advantage is exactly 0 out of the loss; TRL trains on them (their "
+                  "tokens count in a token-mean and a KL) and has no option not to"}),
+    "ADV_RENORM": Field(
+        None, words=lambda v: ("normalises the advantages a second time over the loss's tokens, each completion "
+                               "counted once per token (TRL: once, per group)" if v == "tokens"
+                               else "normalises the advantages once, per group"),
+        trl_fixed="none", quantity="advantages normalised again", preflight_words={
+            "tokens": "normalises the advantages a second time over the loss's tokens; TRL normalises them once, per "
+                      "group, and has no option for another"}),
+    "ADV_CLAMP": Field(
+        None, words=lambda v: f"clamps the advantages to [-{v:g}, {v:g}] (TRL: unclamped)",
+        trl_fixed=0.0, quantity="advantages clamped to +-", preflight_words={
+            "*": "clamps the advantages; TRL uses them unclamped and has no option to clamp"}),
     "STD_EPS_INSIDE": Field(
         None, (False, True), 1, lambda v: "scales advantages by sqrt(var + eps) (TRL: std + eps)",
         trl_fixed=False, quantity="std epsilon inside the square root", preflight_words={

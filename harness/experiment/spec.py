@@ -278,6 +278,18 @@ class Spec:
                            "the group's other completions (`loo`: leave-one-out, RLOO's and NeMo-RL's baseline; with "
                            "ADV_SCALE = group the std is the others' too, and a completion whose others are alike is "
                            "not divided). TRL's GRPOTrainer has no setting for it.", choices=("group", "loo"))
+    ADV_STATS_DTYPE: str = _f("float32", "The dtype of the group statistics: `float32` (TRL) or `float16` (a loop "
+                              "that casts its rewards to half precision first: mean, std, + STD_EPS and the division "
+                              "in float16, the advantages then back in float32). TRL has no setting for it.",
+                              choices=("float32", "float16"))
+    DROP_ZERO_ADV: bool = _f(False, "Leave every completion whose advantage is exactly 0 out of the loss mask (its "
+                             "tokens out of a token-mean's count and of the KL; TRL trains on them). TRL has no "
+                             "setting for it.")
+    ADV_RENORM: str = _f("none", "Normalise the advantages a second time, after the group's: `none` (TRL) or `tokens` "
+                         "(over the round's loss tokens, each completion counted once per token: (A - mean) / (std + "
+                         "1e-8), Bessel's std). TRL has no setting for it.", choices=("none", "tokens"))
+    ADV_CLAMP: float = _f(0.0, "Clamp the advantages to [-ADV_CLAMP, ADV_CLAMP], after ADV_RENORM (0 = off, as TRL; "
+                          "TRL has no setting for it).", min=0.0)
     LOSS_SUM: bool = _f(False, "Sum the per-token losses with no normalisation at all (overrides LOSS_NORM; TRL has "
                         "no such loss_type).")
     SELECTION: str = _f("", "Which completions each optimizer step trains on: empty (whole rounds, as TRL) or a "
@@ -524,6 +536,9 @@ def _cross_checks(spec: Spec) -> None:
                         "(or \"vllm\" on a GPU with vLLM installed), or IS_CORRECTION = false")
     if spec.IS_CLIP_MIN and spec.IS_CLIP_MIN >= spec.IS_CLIP_MAX:
         raise SpecError("IS_CLIP_MIN", f"{spec.IS_CLIP_MIN} must be below IS_CLIP_MAX = {spec.IS_CLIP_MAX}")
+    if spec.ADV_STATS_DTYPE == "float16" and spec.ADV_BASELINE != "group":
+        raise SpecError("ADV_STATS_DTYPE", "float16 group statistics are written for ADV_BASELINE = \"group\" only; set "
+                        "ADV_STATS_DTYPE = \"float32\" or ADV_BASELINE = \"group\"")
     _check_schedule(spec)
     for i, rate in enumerate(spec.LR_STEPS):
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 10 or rate != rate:

@@ -51,6 +51,9 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         moot.append(f"log-prob 0 at the pad id {quirks.pop('LOGP_ZERO_ID')} (cross_entropy ignore_index)")
     moot += [words for code, words in inexpressible if not acts.get(code, True)]
     inexpressible = [[code, words] for code, words in inexpressible if acts.get(code, True)]
+    if "DROP_ZERO_ADV" in quirks and not acts["adv_extra=drop_zero_adv"]:  # the mask shows it, the loss cannot
+        moot.append("completions whose advantage is exactly 0 left out of the loss (their terms are 0 either way)")
+        unsure.append("DROP_ZERO_ADV")
     if picked["passes"] == "1" or picked["passes"] == "2_old_each_pass":  # the ratio is 1 at every step
         for key in ("epsilon", "epsilon_high"):
             if key in trl:

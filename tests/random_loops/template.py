@@ -203,6 +203,8 @@ def _advantages(p: dict) -> str:
         lines.append("adv = grouped - (grouped.sum(1, keepdim=True) - grouped) / (G - 1)  # RLOO's baseline")
     else:
         lines.append("adv = grouped - grouped.mean(1, keepdim=True)")
+    if p["adv_extra"] == "range_scale":
+        lines.append("adv = adv / (grouped.amax(1, keepdim=True) - grouped.amin(1, keepdim=True) + 1e-6)  # the range")
     if p["adv_scale"] != "none":
         correction = int(p["std_kind"] == "bessel")
         src = "grouped" if p["adv_scale"] == "group_std" else "rewards"

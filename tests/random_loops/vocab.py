@@ -68,12 +68,15 @@ STAGES: dict[str, list] = {
         _c("1e-2", 5, quirks={"STD_EPS": 1e-2}),
         _c("inside_1e-8", 5, quirks={"STD_EPS": 1e-8, "STD_EPS_INSIDE": True}, unsure=["STD_EPS", "STD_EPS_INSIDE"]),
     ],
-    "adv_extra": [
-        _c("none", 88),
-        _c("float16_stats", 3, inexpressible=["group statistics computed on float16 rewards"]),
-        _c("renorm_tokens", 3, inexpressible=["advantages normalised a second time over the step's loss tokens"]),
-        _c("clamp_1", 3, inexpressible=["advantages clamped to [-1, 1]"]),
-        _c("drop_zero_adv", 3, inexpressible=["completions whose advantage is exactly 0 left out of the loss"]),
+    "adv_extra": [  # switches of the built-in loop since issue 47 (ADV_STATS_DTYPE, ADV_RENORM, ADV_CLAMP, DROP_ZERO_ADV)
+        _c("none", 88 - 2 / 1.8),  # (range_scale's weight taken from here, the default's boost 1.8 undone: every
+        # other seed draws as before)
+        _c("range_scale", 2, inexpressible=["advantages divided by the group's reward range (max - min)"]),
+        _c("float16_stats", 3, quirks={"ADV_STATS_DTYPE": "float16"}),
+        # (a second normalisation divides out a factor common to every group: Bessel's std or the population's alike)
+        _c("renorm_tokens", 3, quirks={"ADV_RENORM": "tokens"}, unsure=["STD"]),
+        _c("clamp_1", 3, quirks={"ADV_CLAMP": 1.0}),
+        _c("drop_zero_adv", 3, quirks={"DROP_ZERO_ADV": True}),
     ],
     "mask": [
         _c("through_eos", 80),
@@ -186,6 +189,8 @@ SCHEDULES = {
 # what a choice's code needs the others to be: (stage, choice) -> {stage: forced choice}
 REQUIRES = {
     ("adv_center", "leave_one_out"): {"adv_scale": "none", "adv_extra": "none"},
+    ("adv_extra", "range_scale"): {"adv_scale": "none"},  # the range in place of a std
+    ("adv_extra", "float16_stats"): {"std_eps": "1e-4"},  # a smaller epsilon is 0 in float16: 0 / 0 in a flat group
     ("selection", "skip_flat_groups"): {"passes": "1", "agg": "grpo", "adv_extra": "none"},
     ("agg", "bnpo_in_order"): {"selection": "whole_round"},
 }

@@ -8,42 +8,129 @@ import numpy as np
 
 from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.numerics import _arr, _same, snap
-from harness.diagnose.identify.steps import steps
+from harness.diagnose.identify.steps import _rows_of, steps
 
 
-def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None) -> Finding:
+def advantages(rewards, adv, group: int, spec=None, rtol: float = 2e-5, atol: float = 1e-6, step=None,
+               mask=None) -> Finding:
     """Your advantages as a function of your own rewards (`_centred_on_a_mean`), and where no centring on a mean
-    fits, on the mean of the group's other completions (leave-one-out, `_leave_one_out`)."""
+    fits, on the mean of the group's other completions (leave-one-out, `_leave_one_out`); where neither reproduces
+    them (or only a rule with no switch does), the built-in loop's advantage quirks on top of a group rule (`_extras`:
+    float16 statistics, a second normalisation over the loss tokens of `mask`, your loop's loss mask rows, then a
+    clamp), the simplest that reproduces them exactly winning."""
     found = _centred_on_a_mean(rewards, adv, group, spec, rtol, atol, step)
-    if found.readable and group >= 2:
-        r, a = _arr(rewards), _arr(adv)
-        loo = _leave_one_out(r, a, group, spec, rtol, atol, step)
-        # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
-        # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely; misfits under
-        # FLOAT32_ALIKE are float32 rounding of the saved values, alike: then leave-one-out, which needs no epsilon
-        # (a fit's epsilon snapped to the digits its uncertainty allows can otherwise win by a rounding)
-        if loo is not None and (not found.exact or found.no_switch or _misfit(r, a, group, spec, loo.settings)
-                                < max(_misfit(r, a, group, spec, found.settings), FLOAT32_ALIKE)):
-            return loo
-    return found
+    if not found.readable or group < 2:
+        return found
+    r, a = _arr(rewards), _arr(adv)
+    loo = _leave_one_out(r, a, group, spec, rtol, atol, step)
+    # both fit within tolerance (no scale and the others' mean is the group's times G / (G - 1), which a group
+    # std with an odd epsilon can mimic): the rule that reproduces your advantages more closely; misfits under
+    # FLOAT32_ALIKE are float32 rounding of the saved values, alike: then leave-one-out, which needs no epsilon
+    # (a fit's epsilon snapped to the digits its uncertainty allows can otherwise win by a rounding); a std with a
+    # clamp after it is two parts: where leave-one-out fits too, it is the simpler (NeMo-RL's, a step whose groups
+    # a population std and a clamp at 1 happen to give)
+    if loo is not None and (not found.exact or found.no_switch or "ADV_CLAMP" in found.settings
+                            or _misfit(r, a, group, spec, loo.settings)
+                            < max(_misfit(r, a, group, spec, found.settings), FLOAT32_ALIKE)):
+        found = loo
+    if found.exact and not found.no_switch or len(r) != len(a) or np.isnan(r).any():
+        return found  # one rule reproduces them (a float32 residue left out, as NeMo-RL's): simpler than a quirk on top
+    extra = _extras(r, a, group, spec, mask, rtol, atol, step)
+    return extra if extra is not None else found
 
 
 FLOAT32_ALIKE = 1e-6  # relative misfits below this are float32 rounding of the saved advantages (2^-23 ~ 1.2e-7 each)
 
 
-def _misfit(r, a, group: int, spec, settings: dict) -> float:
+# the built-in loop's advantage fields, TRL's values: what a rule sets on top of (the spec's where it has them)
+ADV_FIELDS = {"ADV_SCALE": "group", "STD": "bessel", "STD_EPS": 1e-4, "STD_EPS_INSIDE": False, "ADV_BASELINE": "group",
+              "ADV_STATS_DTYPE": "float32", "ADV_RENORM": "none", "ADV_CLAMP": 0.0}
+
+
+def _misfit(r, a, group: int, spec, settings: dict, mask=None) -> float:
     """The largest |A - predicted| / (|A| + 1e-6) of an advantage rule (the spec's fields, `settings` over them) on
-    your rewards: predicted by the built-in loop's own advantage function (scratch_grpo.core), in float64."""
+    your rewards (`_predict`); inf where the rule needs the loss mask and none was saved."""
+    pred = _predict(r, group, spec, settings, mask)
+    return np.inf if pred is None else float(np.max(np.abs(a - pred) / (np.abs(a) + 1e-6)))
+
+
+def _predict(r, group: int, spec, settings: dict, mask=None):
+    """An advantage rule's advantages (the spec's fields, `settings` over them) of your rewards, by the built-in
+    loop's own functions (scratch_grpo.core), in float64 (the group statistics in float16 where the rule says so,
+    as your loop's were); None where the rule needs the loss mask and none was saved."""
     import torch
 
-    from scratch_grpo.core import group_advantages
+    from scratch_grpo.core import group_advantages, shape_advantages
 
-    f = {"ADV_SCALE": "group", "STD": "bessel", "STD_EPS": 1e-4, "STD_EPS_INSIDE": False, "ADV_BASELINE": "group",
-         **({k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_BASELINE")
-             if hasattr(spec, k)} if spec else {}), **settings}
-    pred = group_advantages(torch.tensor(r, dtype=torch.float64), group, f["ADV_SCALE"], f["STD"], f["STD_EPS"],
-                            f["STD_EPS_INSIDE"], f["ADV_BASELINE"])[0].numpy()
-    return float(np.max(np.abs(a - pred) / (np.abs(a) + 1e-6)))
+    f = {**ADV_FIELDS, **({k: getattr(spec, k) for k in ADV_FIELDS if hasattr(spec, k)} if spec else {}), **settings}
+    half = f["ADV_STATS_DTYPE"] == "float16"
+    pred = group_advantages(torch.tensor(r, dtype=torch.float32 if half else torch.float64), group, f["ADV_SCALE"],
+                            f["STD"], f["STD_EPS"], f["STD_EPS_INSIDE"], f["ADV_BASELINE"], f["ADV_STATS_DTYPE"])[0]
+    if f["ADV_RENORM"] != "none" or f["ADV_CLAMP"] > 0:
+        if f["ADV_RENORM"] != "none" and mask is None:
+            return None
+        width = max((len(m) for m in mask), default=0) if mask is not None else 0
+        rows = torch.tensor([[float(x) > 0.5 for x in m] + [False] * (width - len(m)) for m in mask]
+                            if mask is not None else [[]] * len(r), dtype=torch.float64)
+        pred = shape_advantages(pred.double(), rows, False, f["ADV_RENORM"], f["ADV_CLAMP"])[0]
+    return pred.double().numpy()
+
+
+def _extras(r, a, group: int, spec, mask, rtol: float, atol: float, step) -> Finding | None:
+    """Your advantages as a group rule (a centring on the group's mean, a std with its estimator and an epsilon from
+    the ones loops write, or none) with the built-in loop's advantage quirks on top, predicted exactly, the simplest
+    first: the group statistics in float16 (ADV_STATS_DTYPE), a second normalisation over your loss mask's tokens
+    (ADV_RENORM), that then clamped at your largest advantage's magnitude (ADV_CLAMP). None where none reproduces
+    your advantages within tolerance; several base rules alike (an epsilon the spread of the rewards hides) are said
+    as unsettled."""
+    spec_has = {k: getattr(spec, k) for k in ADV_FIELDS if hasattr(spec, k)} if spec else {}
+    top = float(np.max(np.abs(a)))
+    kinds = ({"ADV_STATS_DTYPE": "float16"}, {"ADV_RENORM": "tokens"},
+             {"ADV_RENORM": "tokens", "ADV_CLAMP": snap(top, top * 1e-6)})
+    epsilons = tuple(dict.fromkeys((spec_has.get("STD_EPS", 1e-4), 1e-4, 1e-8, 1e-6, 1e-5, 1e-3, 1e-2, 0.0)))
+    bases = [{"ADV_SCALE": "none"}] + [{"ADV_SCALE": sc, "STD": sd, "STD_EPS": eps, "STD_EPS_INSIDE": inside}
+                                       for sc in ("group", "batch") for inside in (False, True)
+                                       for sd in ("bessel", "population") for eps in epsilons]
+    bases.sort(key=lambda b: sum(not _same(spec_has.get(k, ADV_FIELDS[k]), v) for k, v in b.items()))
+    tol = atol + rtol * np.abs(a)
+    for kind in kinds:
+        if kind.get("ADV_RENORM") and mask is None or kind.get("ADV_CLAMP") and not np.sum(np.isclose(np.abs(a), top,
+                                                                                                       rtol=1e-6)) > 1:
+            continue  # no mask saved; a clamp shows as two advantages or more at one magnitude
+        preds = ((b, _predict(r, group, spec, {**b, **kind}, mask)) for b in bases)
+        fits = [(float(np.max(np.abs(a - p) / (np.abs(a) + 1e-6))), b) for b, p in preds
+                if p is not None and np.all(np.abs(a - p) <= tol)]
+        if fits:
+            return _extras_finding(fits, kind, spec_has, step)
+    return None
+
+
+def _extras_finding(fits: list, kind: dict, spec_has: dict, step) -> Finding:
+    """The first (simplest) of the base rules `fits` ((misfit, settings)) that reproduce your advantages with the
+    quirks `kind`, said; the fields the others set otherwise unsettled."""
+    misfit, base = fits[0]
+    full = {**ADV_FIELDS, **spec_has, **base, **kind}
+    words = ["centres each group's rewards on its mean"]
+    if full["ADV_SCALE"] == "none":
+        words.append("and does not divide by a std")
+    else:
+        est = "population std (n)" if full["STD"] == "population" else "Bessel's std (n - 1)"
+        words.append(f"and divides by the {full['ADV_SCALE']}'s {est}" + (
+            f" with {full['STD_EPS']:g} inside the square root" if full["STD_EPS_INSIDE"] else f" + {full['STD_EPS']:g}"))
+    if kind.get("ADV_STATS_DTYPE") == "float16":
+        words.append("computing these statistics on float16 rewards (TRL: float32)")
+    if kind.get("ADV_RENORM"):
+        words.append("then normalises the advantages a second time over the step's loss tokens, each completion counted "
+                     "once per token (TRL: once, per group)")
+    if kind.get("ADV_CLAMP"):
+        words.append(f"then clamps them to [-{kind['ADV_CLAMP']:g}, {kind['ADV_CLAMP']:g}]")
+    differ = sorted({k for _, b in fits[1:] for k, v in b.items() if not _same(full.get(k), v)})
+    unsettled = (f"under {' and '.join(k for k in sorted(kind))}, {len(fits)} group rules fit alike: "
+                 f"{', '.join(differ)} could not be told (the one closest to the spec is said)",) if differ else ()
+    settings = {k: v for k, v in full.items() if not _same(spec_has.get(k, ADV_FIELDS[k]), v)}
+    return Finding("advantages", step, "your loop " + " ".join(words), settings, True, unsettled=unsettled,
+                   settles=tuple(k for k in ADV_FIELDS if k not in differ and k != "ADV_BASELINE"),
+                   evidence={"misfit": misfit, "quirks": sorted(kind)})
 
 
 def _leave_one_out(r, a, group: int, spec, rtol: float, atol: float, step) -> Finding | None:
@@ -83,6 +170,8 @@ def _leave_one_out(r, a, group: int, spec, rtol: float, atol: float, step) -> Fi
         unc = 10 * rtol * float(np.max(np.abs(c[div] / a[div]))) + 1e-12
         if float(np.ptp(eps_i)) > 2 * unc:
             continue
+        if float(np.median(eps_i)) < -unc:
+            continue  # a negative epsilon: no std + epsilon gives it (a rule of another form, read elsewhere)
         eps = snap(float(np.median(eps_i)), unc)
         settings = {"ADV_BASELINE": "loo", "ADV_SCALE": "group", "STD": name, "STD_EPS": eps, "STD_EPS_INSIDE": False}
         est = "population std (n)" if name == "population" else "Bessel's std (n - 1)"
@@ -188,7 +277,8 @@ def _scale(s, live, clipped, group: int, rtol: float):
 
 
 def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> Finding:
-    spec_has = {k: getattr(spec, k) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE")} if spec else {}
+    spec_has = {k: getattr(spec, k, ADV_FIELDS[k]) for k in ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "ADV_CLAMP")
+                } if spec else {}
     unsettled, settings, words, no_switch = [], {}, [], False
     if centring == "batch":
         words.append("centres the rewards on the batch's mean (TRL: each group's)")
@@ -242,8 +332,9 @@ def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> F
             unsettled.append(f"the advantage epsilon is known to +-{unc:.1g} only ({eps:g} is the round value within "
                              "that)")
     if clipped is not None and clipped.any():
-        words.append(f"then clips the advantages to [-{top:.4g}, {top:.4g}]")
-        no_switch = True
+        bound = snap(top, top * 1e-6)
+        words.append(f"then clamps the advantages to [-{bound:g}, {bound:g}]")
+        settings["ADV_CLAMP"] = bound
     if spec_has:
         settings = {k: v for k, v in settings.items() if k in spec_has and not _same(spec_has[k], v)}
         if "STD_EPS" in settings and unsettled and abs(spec_has["STD_EPS"] - fit["eps"]) <= fit["unc"]:
@@ -252,6 +343,7 @@ def _advantage_finding(centring, kind, fitted, clipped, top, g, spec, step) -> F
     ambiguous = any(u.startswith(("every group's rewards", "one group's rewards")) for u in unsettled)
     settles = () if ambiguous else ("ADV_SCALE", "STD", "STD_EPS_INSIDE") + (() if unsettled else ("STD_EPS",)) \
         if fit or kind == "none" else ()
+    settles += ("ADV_CLAMP",) if "ADV_CLAMP" in settings and settles else ()
     return Finding("advantages", step, "your loop " + " ".join(words), settings, True, same_as_spec=same,
                    no_switch=no_switch, unsettled=tuple(unsettled), settles=settles if not no_switch else (),
                    evidence={"centring": centring, "scale": kind, **({"eps_estimate": fit["raw"]} if fit else {})})
@@ -304,5 +396,8 @@ def read(cell, earlier: dict) -> list[Finding]:
         rewards, adv = s.tensors["rewards"], s.tensors["advantages"]
         if len(rewards) != len(order) or len(adv) != len(order):
             continue
-        out.append(advantages([rewards[k] for k in order], [adv[k] for k in order], g, cell.spec, step=s.step))
+        rows_mask = s.tensors.get("mask")
+        mask = [rows_mask[k] for k in order] if _rows_of(rows_mask, len(order)) else None
+        out.append(advantages([rewards[k] for k in order], [adv[k] for k in order], g, cell.spec, step=s.step,
+                              mask=mask))
     return out

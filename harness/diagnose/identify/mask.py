@@ -36,10 +36,10 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     padding = [(i, t) for i, m in enumerate(mine) for t in range(lengths[i], len(m)) if m[t] == 1]
     counted = sum(map(sum, (r[:n] for r, n in zip(mine, lengths))))
     ev = {"out": len(out), "padding_counted": len(padding), "tokens": counted}
-    left, token_unsettled = set(out), ()
+    left, token_unsettled, no_switch = set(out), (), False
     # whole completions out: the truncated ones (TRL's mask_truncated_completions), those whose advantage is 0
     whole = {i for i in range(len(mine)) if lengths[i] and all((i, t) in left for t in range(lengths[i]))}
-    rules, settings, truncated, rows_out, no_switch = _whole_rows(whole, cut_by, rule, lengths, advantages)
+    rules, settings, truncated, rows_out, shows_zero = _whole_rows(whole, cut_by, rule, lengths, advantages, mine, spec)
     left -= {(i, t) for i in rows_out for t in range(lengths[i])}
     if extra_in and mask_trunc and {i for i, _ in extra_in} == {i for i, tr in enumerate(truncated) if tr}:
         rules.append("keeps truncated completions in the loss")
@@ -74,7 +74,7 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
     shows = (("MASK_TRUNCATED",) if any(truncated) else ()) + (
         ("COMPLETION_MASK",) if not all(truncated) and len(set(lengths)) > 1 else ()) + (
         ("TRUNCATED_IF",) if settings.get("MASK_TRUNCATED", mask_trunc) and len(set(map(tuple, cut_by.values()))) > 1
-        else ())  # (the rules of what is truncated part only where a completion ends in the pad id)
+        else ()) + shows_zero  # (the rules of what is truncated part only where a completion ends in the pad id)
     if not rules:
         return Finding("mask", step, "your loop counts every completion token through the eos, as TRL does", {},
                        True, same_as_spec=True, evidence=ev, settles=shows)
@@ -84,17 +84,21 @@ def mask(mask_rows, completion_ids, eos_ids, spec=None, pad_id: int | None = Non
                 and not (k == "MASK_TOKEN_ID" and v == (getattr(spec, "MASK_TOKEN_ID", -1) if spec else -1))}
     return Finding("mask", step, "your loop " + "; ".join(rules), settings, exact, no_switch=no_switch, evidence=ev,
                    unsettled=token_unsettled,
-                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID", "TRUNCATED_IF")
-                                 if k in settings or k in shows) if exact and not no_switch else ())
+                   settles=tuple(k for k in ("COMPLETION_MASK", "MASK_TRUNCATED", "MASK_TOKEN_ID", "TRUNCATED_IF",
+                                             "DROP_ZERO_ADV") if k in settings or k in shows) if exact and not no_switch
+                   else ())
 
 
-def _whole_rows(whole: set, cut_by: dict, rule: str, lengths, advantages) -> tuple:
+def _whole_rows(whole: set, cut_by: dict, rule: str, lengths, advantages, mine, spec) -> tuple:
     """The completions entirely out of your loss (`whole`) as whole-row rules: the truncated ones, by the spec's rule
     of what is truncated (`rule`) or the other (TRUNCATED_IF; `cut_by`: each rule's truncated rows), and, where
-    every completion whose advantage is exactly 0 is out, those (no switch: where the loss averages per completion
-    and has no KL term their terms are 0 either way, and the confirmation shows it). (words, settings, the spec's
-    truncated rows as read, the rows out, no_switch)."""
-    zero = {i for i, a in enumerate(advantages or ()) if i < len(lengths) and lengths[i] and float(a) == 0.0}
+    every completion whose advantage is exactly 0 (one per row in `advantages`) is out, those (DROP_ZERO_ADV; a
+    truncated one with advantage 0 is out either way); one of them counting a token (`mine`: the mask as read) shows
+    the rule off. (words, settings against the spec, the spec's truncated rows as read, the rows out, the fields the
+    step shows of the zero rule)."""
+    zero = {i for i, a in enumerate(advantages if advantages is not None else ()) if i < len(lengths) and lengths[i]
+            and float(a) == 0.0}
+    counted = any(mine[i][t] == 1 for i in zero for t in range(min(lengths[i], len(mine[i]))))
     zero = zero if zero <= whole else set()
     rest = whole - zero
     by = next((r for r, cut in cut_by.items() if rest and rest == {i for i, tr in enumerate(cut) if tr and lengths[i]}
@@ -105,11 +109,13 @@ def _whole_rows(whole: set, cut_by: dict, rule: str, lengths, advantages) -> tup
         pad_end = " (one ending in the pad id too: it checks for an eos)" if by == "no_eos" and by != rule else ""
         rules.append(f"leaves the {len(out)} truncated completion(s) (no eos){pad_end} out of the loss entirely")
         settings.update({"MASK_TRUNCATED": True, **({"TRUNCATED_IF": by} if by != rule else {})})
+    drops = bool(getattr(spec, "DROP_ZERO_ADV", False)) if spec else False
     if zero - out:
-        rules.append(f"leaves the {len(zero - out)} completion(s) whose advantage is exactly 0 out of the loss "
-                     "entirely (TRL counts them; no switch does this: where the loss averages per completion and has "
-                     "no KL term, their terms are 0 either way)")
-    return rules, settings, truncated, out | zero, bool(zero - out)
+        rules.append(f"leaves the {len(zero - out)} completion(s) whose advantage is exactly 0 out of the loss entirely")
+        settings.update({} if drops else {"DROP_ZERO_ADV": True})
+    elif counted and drops:
+        settings["DROP_ZERO_ADV"] = False
+    return rules, settings, truncated, out | zero, ("DROP_ZERO_ADV",) if zero - out or counted else ()
 
 
 def _token_rule(left: set, completion_ids, eos: set, lengths, rows_out: set, pad_id) -> tuple | None:
