@@ -6,7 +6,7 @@ the loop's own source, not against the table that made it; the schedules' TRL fi
 (b) The scorer on outputs built by hand (what a right and a wrong explanation look like), and ten fixed seeds
 through the harness's explanation (slow, run once for two tests): no run may crash and a choice drawn on purpose as
 inexpressible is a failure whatever the verdict says (passes); the share right is measured, not recorded, against
-the issue's 95% (a strict xfail until the explanation reaches it: 6 of 10 on 2026-12-07).
+the issue's 95% (10 of 10 on 2026-12-07; a strict xfail while it was 5 and 6 of 10).
 """
 
 from __future__ import annotations
@@ -269,11 +269,10 @@ def test_a_sample_of_random_loops_runs_and_names_what_no_switch_reproduces(sampl
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 47's 95% is not reached yet (6 of these 10 right on 2026-12-07, after "
-                                       "the forward, schedule and passes stages landed; docs/benchmarks.md lists the "
-                                       "misses by kind): strict, so the test says so once the sample reaches it")
 def test_a_sample_of_random_loops_reaches_the_issues_target(sample_rows):
     """Issue 47's bar: 95% of random loops right. Measured on the sample each run, not recorded (5 of 10 with the
-    harness at 99ed853, 6 of 10 once the forward, schedule and passes stages landed, 2026-12-07: docs/benchmarks.md)."""
+    harness at 99ed853, 6 of 10 once the forward, schedule and passes stages landed, 10 of 10 once the advantage
+    extras, LOGITS_DTYPE, TRUNCATED_IF, passes a loop does not name and the objective's readings across steps landed,
+    2026-12-07: docs/benchmarks.md)."""
     rows, report = sample_rows
     assert sum(r["right"] for r in rows) >= 0.95 * len(rows), report
