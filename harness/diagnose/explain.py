@@ -500,7 +500,6 @@ def _tensor_diff(spec, search: "Search", start: dict, data, log) -> dict | None:
     """The tensor diff, where your loop saved tensors (harness.loop.tensors): the built-in loop, set up as TRL, saves
     the same steps' tensors on the same rollouts, and the first link of the chain that differs is named."""
     from harness.diagnose.tensordiff import chain_facts, diff
-    from harness.runlog.tensors import TENSORS_FILE, read_tensors
 
     mine, records = data.tensors, list(data.records)
     if not mine or spec.loop.tensor_steps < 1:
@@ -522,7 +521,7 @@ def _tensor_diff(spec, search: "Search", start: dict, data, log) -> dict | None:
             "trains on a slice of it, so the diff is skipped and the search alone explains)")
         return None
     steps = min(max(mine), spec.loop.tensor_steps, spec.STEPS)
-    ref = read_tensors(search.tensors(start, steps) / TENSORS_FILE)
+    ref = search.tensor_values(start, steps)
     facts = chain_facts(spec, records, list(data.scores))
     lengths = {s: n for s, n in facts["lengths"].items() if s in ref}
     ends = {s: e for s, e in facts["ends_with_eos"].items() if s in lengths}
@@ -536,7 +535,7 @@ def _tensor_diff(spec, search: "Search", start: dict, data, log) -> dict | None:
     for link in (found or {}).get("chain", []):
         if link["tensor"] in ("logps", "ref_logps") and link.get("independent") and link.get("candidates"):
             for cand in link["candidates"]:
-                again = read_tensors(search.tensors({**start, **cand}, at) / TENSORS_FILE)
+                again = search.tensor_values({**start, **cand}, at)
                 check = diff({at: {link["tensor"]: mine.get(at, {}).get(link["tensor"])}},
                              {at: {link["tensor"]: again.get(at, {}).get(link["tensor"])}}, search.base,
                              {at: lengths.get(at, [])}, eos, has_eos, atol, rtol)
@@ -637,7 +636,6 @@ def _loss_logged(data, search: Search, state: Trial, findings) -> tuple[str | No
     hold): every logged step against the per-token losses of the built-in loop that reproduces yours, rows in your
     order (logged.loss_logged_words)."""
     from harness.diagnose.logged import loss_logged_words
-    from harness.runlog.tensors import TENSORS_FILE, read_tensors
 
     yours, changes = data.yours, state.changes
     if any(f.evidence.get("logged_last_micro_batch") for f in findings) or yours is None or "loss" not in yours.columns:
@@ -647,7 +645,7 @@ def _loss_logged(data, search: Search, state: Trial, findings) -> tuple[str | No
     ga = len(parts) if parts and len(set(parts)) == 1 else spec.GRAD_ACCUM
     if ga < 2 or spec.SELECTION or spec.STEPS_PER_GENERATION > 1:  # (rows of whole rounds only)
         return None, []
-    return loss_logged_words(yours, read_tensors(search.tensors(changes, spec.STEPS) / TENSORS_FILE),
+    return loss_logged_words(yours, search.tensor_values(changes, spec.STEPS),
                              list(data.records), spec, ga)
 
 

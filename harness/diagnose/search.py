@@ -246,6 +246,7 @@ class Search:
         self.settled: set[str] = set()  # fields the tensor diff's exact findings settle: not searched (SETTLES)
         self.value_only: int | None = None  # the step from which the loss is judged out: it differs in value alone
         self._trl: dict[tuple, bool] = {}
+        self._saved: dict[Path, tuple[int, dict | None]] = {}  # tensors- folder -> (steps saved, their tensors once read)
         from harness.experiment.models import Warm
 
         self.warm = Warm()  # one loaded model for every candidate (restored to the checkpoint's weights each run)
@@ -279,12 +280,27 @@ class Search:
 
         t0 = time.perf_counter()
         folder = self._folder(changes, "tensors-")
+        if self._saved.get(folder, (0, None))[0] >= steps:  # (this run saved as many steps already)
+            return folder
         spec = apply_alignment(self.base, {"set": changes})
         train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, tensor_steps=steps,
               warm=self.warm, stop_when=lambda row: int(row["step"]) >= steps)
         self.runs, self.steps_run, self.seconds = self.runs + 1, self.steps_run + steps, \
             self.seconds + time.perf_counter() - t0
+        self._saved[folder] = (steps, None)
         return folder
+
+    def tensor_values(self, changes: dict, steps: int) -> dict:
+        """The tensors `tensors(changes, steps)` saved ({step: {tensor: value}}, steps 1 to `steps`), the file read
+        once however often they are asked for."""
+        from harness.runlog.tensors import TENSORS_FILE, read_tensors
+
+        folder = self.tensors(changes, steps)
+        saved, values = self._saved[folder]
+        if values is None:
+            values = read_tensors(folder / TENSORS_FILE)
+            self._saved[folder] = (saved, values)
+        return {s: v for s, v in values.items() if s <= steps}
 
     def trial(self, changes: dict, horizon: int, stop_at_parting: bool = False) -> Trial:
         """The built-in loop with `changes`, run to `horizon` (or, `stop_at_parting`, until it parts from your loop):
