@@ -282,6 +282,10 @@ class Search:
         folder = self._folder(changes, "tensors-")
         if self._saved.get(folder, (0, None))[0] >= steps:  # (this run saved as many steps already)
             return folder
+        if folder in self._saved:  # a longer run than the one there: its own folder (what was read stays as read)
+            folder = folder.with_name(f"{folder.name}-{steps}steps")
+            if folder in self._saved:
+                return folder
         spec = apply_alignment(self.base, {"set": changes})
         train(spec, folder, rollout_source=ReplaySource(self.records), progress=False, tensor_steps=steps,
               warm=self.warm, stop_when=lambda row: int(row["step"]) >= steps)
