@@ -62,6 +62,8 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         unsure += [k for k in ("epsilon", "epsilon_high") if k in trl]  # bound reached or not: the run decides
     if picked["kl"] != "none" and picked["passes"] != "2" and picked["kl_ratio"] == "no_ratio":
         unsure.append("use_bias_correction_kl")
+    if "MICRO_BATCH_ORDER" not in quirks:  # every drawn loop cuts its micro-batches in the rollout's order: true to
+        unsure.append("MICRO_BATCH_ORDER")  # name, needed only where a micro-batch's own count divides (bnpo)
     if picked["grad_clip"] == "0.5":
         unsure.append("max_grad_norm")  # a threshold no step's norm reaches cannot act: the scorer reads the norms
     name, warmup, horizon, kwargs = SCHEDULES[picked["schedule"]]
