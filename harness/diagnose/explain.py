@@ -134,7 +134,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     search = Search(start.base, yours, list(data.records), root, data.envelope, log)
     if start.lr_ahead and "learning_rate" in search.judge.columns:  # logged a step ahead: not compared step by step
         search.judge.columns.remove("learning_rate")  # (by the search, nor by the confirmation's whole comparison)
-        data = dataclasses.replace(data, yours=data.yours.drop(columns=["learning_rate"]))
+        data = dataclasses.replace(data, runs={**data.runs, "yours": data.yours.drop(columns=["learning_rate"])})
     search.settled |= start.settled  # settled by your own tensors: the search leaves them
     found = _found(spec, search, start, data, log)
     state, trace, value_only = _searched(search, start, found, log)
