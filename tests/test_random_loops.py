@@ -276,3 +276,14 @@ def test_a_sample_of_random_loops_reaches_the_issues_target(sample_rows):
     2026-12-07: docs/benchmarks.md)."""
     rows, report = sample_rows
     assert sum(r["right"] for r in rows) >= 0.95 * len(rows), report
+
+
+@pytest.mark.slow
+def test_a_decaying_rate_logged_after_the_scheduler_stepped_is_confirmed(tmp_path):
+    """Seed 132: batch-scaled advantages and a cosine schedule whose rate the loop logs after its scheduler stepped (a
+    step ahead, as OpenRLHF does). The log is said as logged otherwise, so the confirmation's whole comparison must not
+    part on it either (it did: "suspected" on learning_rate with training agreeing at every step)."""
+    picked = generate(132)[1]["choices"]
+    assert picked["lr_logged"] == "after_scheduler_step" and picked["schedule"] == "cosine", picked
+    row = score_seed(132, tmp_path)
+    assert row["right"], row["misses"]
