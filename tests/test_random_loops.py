@@ -287,3 +287,15 @@ def test_a_decaying_rate_logged_after_the_scheduler_stepped_is_confirmed(tmp_pat
     assert picked["lr_logged"] == "after_scheduler_step" and picked["schedule"] == "cosine", picked
     row = score_seed(132, tmp_path)
     assert row["right"], row["misses"]
+
+
+def test_a_clip_no_norm_reaches_is_left_to_the_run():
+    """A loop that clips nothing against TRL's max_grad_norm of 1: where no logged norm reaches 1 the two cannot be
+    told apart (max_grad_norm unsure); where one does, the table must say 0. The same for a loop's own 0.5."""
+    from tests.random_loops.score import decide_from_run
+
+    for clip, below, above in (("none", 0.9, 1.3), ("0.5", 0.4, 0.7)):
+        answer = {"choices": {"grad_clip": clip}, "unsure": ["max_grad_norm"]}
+        runs = lambda top: {"metrics": [{"grad_norm": 0.1}, {"grad_norm": top}]}  # noqa: E731
+        assert decide_from_run(answer, runs(below))["unsure"] == ["max_grad_norm"]
+        assert decide_from_run(answer, runs(above))["unsure"] == []

@@ -64,7 +64,7 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         unsure.append("use_bias_correction_kl")
     if "MICRO_BATCH_ORDER" not in quirks:  # every drawn loop cuts its micro-batches in the rollout's order: true to
         unsure.append("MICRO_BATCH_ORDER")  # name, needed only where a micro-batch's own count divides (bnpo)
-    if picked["grad_clip"] == "0.5":
+    if picked["grad_clip"] in ("0.5", "none"):  # (none: TRL's clip at 1 acts only where a norm reaches 1)
         unsure.append("max_grad_norm")  # a threshold no step's norm reaches cannot act: the scorer reads the norms
     name, warmup, horizon, kwargs = SCHEDULES[picked["schedule"]]
     stated = {"learning_rate": {"spec": 3e-3, "1e-3": 1e-3, "5e-3": 5e-3}[picked["lr"]],

@@ -108,11 +108,13 @@ def _said(text: str, *words: str) -> bool:
 
 
 def decide_from_run(answer: dict, out: dict) -> dict:
-    """What construction left to the run: a clipping threshold no logged (pre-clip) norm reached cannot act."""
+    """What construction left to the run: a clipping threshold no logged (pre-clip) norm reached cannot act (the
+    loop's 0.5, or, where the loop clips nothing, TRL's max_grad_norm of the spec)."""
     answer = json.loads(json.dumps(answer))
-    if answer["choices"].get("grad_clip") == "0.5" and out["metrics"]:
+    threshold = {"0.5": 0.5, "none": SPEC_TRL["max_grad_norm"]}.get(answer["choices"].get("grad_clip"))
+    if threshold is not None and out["metrics"]:
         norms = [float(m["grad_norm"]) for m in out["metrics"] if isinstance(m.get("grad_norm"), (int, float))]
-        if norms and max(norms) > 0.5:  # it binds at some step: the run must show it
+        if norms and max(norms) > threshold:  # it binds at some step: the run must show it
             answer["unsure"] = [u for u in answer["unsure"] if u != "max_grad_norm"]
     return answer
 
