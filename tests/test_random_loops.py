@@ -241,6 +241,22 @@ def test_the_scorer_wants_what_cannot_show_said_and_lets_unsure_fields_be_left_o
         ["schedule_rates", "cannot_show_unsaid:warmup"]
     assert score(warm, _out({"lr_scheduler_type": "constant"}, {"LR_STEPS": [0.0]}), RUN)["misses"][0] == \
         "schedule_as_lr_steps"
+    # a run that ends inside the warmup shows its rise per step only: 5e-3 over 20 steps is 3e-3 (the spec's) over 12
+    hot = _answer({"schedule": "constant_warmup_20", "lr": "5e-3"})
+    said = "the learning rate rises through every probed step: this run could not tell its warmup"
+    assert score(hot, _out({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 12}, text=said), RUN)["right"]
+    assert score(hot, _out({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 20}, text=said),
+                 RUN)["misses"] == ["schedule_rates"]
+
+
+def test_the_rollout_order_every_drawn_loop_cuts_in_may_be_named_where_it_does_not_act():
+    """template.py cuts every loop's micro-batches in the rollout's order: naming it is true (right) where the
+    loss does not depend on it; another order is wrong; where it acts (bnpo in order) it must be named."""
+    plain = _answer({})
+    assert score(plain, _out(quirks={"MICRO_BATCH_ORDER": "rollout"}), RUN)["right"]
+    assert score(plain, _out(quirks={"MICRO_BATCH_ORDER": "length"}), RUN)["misses"] == ["quirk_extra:MICRO_BATCH_ORDER"]
+    bnpo = _answer({"agg": "bnpo_in_order"})
+    assert "quirk_missing:MICRO_BATCH_ORDER" in score(bnpo, _out({"loss_type": "bnpo"}), RUN)["misses"]
 
 
 # ---- a sample through the harness's explanation ------------------------------------------------------------------
