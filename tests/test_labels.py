@@ -23,7 +23,7 @@ def test_an_fp32_run_is_not_labelled_bf16_autocast():
 
 def test_spec_help_says_what_dtype_does_on_each_side():
     text = describe_fields()
-    dtype = text.split("DTYPE =")[1].split("\n  DEVICE")[0]
+    dtype = text.split("\n  DTYPE =")[1].split("\n  DEVICE")[0]  # (not LOGITS_DTYPE, ADV_STATS_DTYPE)
     assert "master weights in bf16" not in dtype  # both sides keep the weights in MASTER_WEIGHTS' dtype
     assert "autocast" in dtype and "bf16=True" in dtype and "MASTER_WEIGHTS" in dtype
 
