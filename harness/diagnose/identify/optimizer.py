@@ -237,16 +237,17 @@ def _learning_rate(known: list, res: float, steps_total: int | None, spec=None) 
               if hasattr(spec, k)}
     fit = fit_schedule(dict(known), steps_total, lr_tol, stated) if steps_total and len(known) >= 2 and not flat \
         else None
-    through_zero = fit is not None and fit.schedule not in ("warmup_stable_decay", "cosine_warmup_with_min_lr")
-    if fit is not None and fit.warmup > known[-1][0] and not through_zero:  # a line from a fraction of the peak: its
-        unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") rises through "
-                         "every probed step: its peak and its warmup are not told apart (" + _schedule_words(fit)
-                         + f" at {fit.peak:g} fits, as do others)")  # start, peak and warmup all untold
-        return {}, ["steps Adam at a learning rate rising through every probed step"], unsettled
-    if fit is not None and fit.warmup > known[-1][0]:  # a rise from 0 through every probed step: only its slope is read
-        unsettled.append("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") rises through "
-                         "every probed step: only its rise per step is read, so its peak and its warmup are not told "
-                         f"apart (written as the roundest peak that gives it: {fit.peak:g} over {fit.warmup} steps; "
+    if fit is not None and fit.warmup > known[-1][0]:  # a rise through every probed step
+        rise = ("the learning rate per step (" + ", ".join(f"{x:.4g}" for _, x in known) + ") rises through every "
+                "probed step: ")
+        # a line from a fraction of the peak: its start, peak and warmup all untold
+        if fit.schedule in ("warmup_stable_decay", "cosine_warmup_with_min_lr"):
+            unsettled.append(rise + "its peak and its warmup are not told apart (" + _schedule_words(fit)
+                             + f" at {fit.peak:g} fits, as do others)")
+            return {}, ["steps Adam at a learning rate rising through every probed step"], unsettled
+        # a rise from 0: only its slope is read, written as the roundest peak over its warmup
+        unsettled.append(rise + "only its rise per step is read, so its peak and its warmup are not told apart "
+                         f"(written as the roundest peak that gives it: {fit.peak:g} over {fit.warmup} steps; "
                          f"{2 * fit.peak:g} over {2 * fit.warmup} fits as well), nor what follows the warmup")
         return fit.settings(), [f"steps Adam at a learning rate rising through every probed step ({fit.peak:g} over "
                                 f"a warmup of {fit.warmup} steps, or any peak and warmup in that ratio)"], unsettled
