@@ -136,8 +136,6 @@ def test_oat_loss_logged_for_the_last_micro_batch_is_said(oat):
     assert "last micro-batch" in said, said
 
 
-@pytest.mark.xfail(strict=True, reason="the first-divergence column names `loss`, which the same verdict calls "
-                                       "logged otherwise, not the training metric")
 def test_oat_first_divergence_column_is_a_training_metric(oat):
     """The loss is logged otherwise (the last micro-batch's): the column must name what training parts on."""
     assert oat["cell_first"]["metric"] != "loss", oat["cell_first"]

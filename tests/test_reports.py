@@ -142,6 +142,20 @@ def test_the_answer_on_your_loop_comes_first_in_a_sentence_a_table_and_two_lists
     assert "step 1 loss" in text[4 + len(lines)]  # the training metric, not the reward
 
 
+def test_a_loss_logged_otherwise_is_not_where_training_parts():
+    """Issue 47 item 6: where the confirmed explanation found your logged loss defined otherwise in value (oat's last
+    micro-batch's loss), the cell table and the headline name the first training metric after it (grad_norm at step
+    2 here, though the loss parts at step 1); without that finding the loss stays first."""
+    from harness.diagnose.answer import training_divergence
+
+    doc = _explained_doc()
+    cell = doc["cells"][0]
+    cell["metrics"] = {"loss": {"first_outside": 1}, "grad_norm": {"first_outside": 2}, "reward": {"first_outside": 1}}
+    assert training_divergence(cell) == {"step": 1, "metric": "loss"}
+    cell["attribution_detail"][0]["loss_logged_otherwise"] = {"from_step": 1, "agrees": ["grad_norm", "param_rel_l2"]}
+    assert training_divergence(cell) == {"step": 2, "metric": "grad_norm"}
+
+
 def test_only_metrics_that_differ_get_a_curve():
     import pandas as pd
 

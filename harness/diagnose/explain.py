@@ -371,6 +371,9 @@ def _confirmed(entry: dict, answer: Answer, evidence: str, confirmation: Confirm
                  runs=search.runs, written=str(path),
                  defined_differently=confirmation.final.get("defined_differently", []), matched_by=state.folder,
                  confirmed_by={"scratch": confirmation.by_scratch, "trl": confirmation.by_trl})
+    if confirmation.final.get("loss_in_value_only"):  # the loss parts in value alone: not where training parts
+        entry["loss_logged_otherwise"] = {k: v for k, v in confirmation.final["loss_in_value_only"].items()
+                                          if k in ("from_step", "agrees")}
     entry["cost"] = {**cost, "runs": search.runs - cost["look_alike_runs"], "seconds": round(time.perf_counter() - t0, 1)}
     log(f"    explain: {search.runs} runs ({cost['look_alike_runs']} of them look-alikes of the confirmed set), "
         f"{search.steps_run} steps, {time.perf_counter() - t0:.1f} s")
