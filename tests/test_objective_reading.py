@@ -193,3 +193,21 @@ def test_a_kl_read_with_look_alike_estimators_is_not_outvoted_by_a_step_that_cou
     assert any("fit alike" in u for u in obj.unsettled), obj
     assert not any("other steps read otherwise" in u for u in obj.unsettled), obj
 
+
+def test_a_weighting_step_whose_loss_types_give_the_same_number_does_not_contradict_one_that_tells():
+    """Step 1's completions have 3, 2, 3, 3 loss tokens (micro-batches of 5 and 6): its loss, the masked sum over the
+    step's tokens, is TRL's dapo alone. Step 2's have 3 each: grpo (the spec's) and dapo give the same number there,
+    and it cannot tell them apart. So the reading is dapo, settled, and step 2 is no "other steps read otherwise"."""
+    comps1, comps2 = [[3, 4, 2], [5, 2], [6, 7, 8], [4, 9, 2]], [[3, 4, 2], [5, 6, 2], [6, 7, 8], [4, 9, 2]]
+    mine = {}
+    for step, comps in ((1, comps1), (2, comps2)):
+        mask = torch.tensor([[1.0 if t < len(c) else 0.0 for t in range(3)] for c in comps])
+        ptl = -torch.rand(4, 3)
+        mine[step] = {"advantages": [1.0, -1.0, 0.5, -0.5], "mask": mask.tolist(), "per_token_loss": ptl.tolist(),
+                      "loss": float((ptl * mask).sum() / mask.sum())}
+    cell = CellData(spec=SPEC, records=({"completion_ids": comps1}, {"completion_ids": comps2}), tensors=mine,
+                    eos_ids=(2,), pad_id=0, trained={1: [(0, i) for i in range(4)], 2: [(1, i) for i in range(4)]})
+    w = next(f for f in identify.identify(cell) if f.stage == "weighting")
+    assert w.settings == {"LOSS_NORM": "token_global"} and "LOSS_NORM" in w.settles, w
+    assert not any("other steps read otherwise" in u for u in w.unsettled), w
+    assert "alike" not in w.evidence, w.evidence

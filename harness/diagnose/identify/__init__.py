@@ -220,10 +220,10 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
     # (what a step could not see served the comparison across steps only)
-    if not {"unseen", "kl_below"} & set(best.evidence):
+    if not {"unseen", "kl_below", "alike"} & set(best.evidence):
         return best
     return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items()
-                                               if k not in ("unseen", "kl_below")})
+                                               if k not in ("unseen", "kl_below", "alike")})
 
 
 _KL_FIELDS = ("BETA", "KL_ESTIMATOR", "KL_IS_CORRECTION")
@@ -252,7 +252,10 @@ def _differ(f: Finding, best: Finding) -> bool:
     value, its reference the policy, or below what the step can resolve, says nothing of its weight)."""
     unseen = _unseen(f, best) | _unseen(best, f)
     mine = {k: v for k, v in f.settings.items() if k not in unseen}
-    return mine != {k: v for k, v in best.settings.items() if k not in unseen}
+    theirs = {k: v for k, v in best.settings.items() if k not in unseen}
+    # a step whose readings give the same number cannot tell them apart (evidence["alike"]): one of them read
+    # elsewhere is no contradiction
+    return mine != theirs and theirs not in f.evidence.get("alike", ()) and mine not in best.evidence.get("alike", ())
 
 
 def _could_not_show(f: Finding, best: Finding) -> bool:
