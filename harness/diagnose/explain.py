@@ -250,8 +250,16 @@ def _found(spec, search: Search, start: Start, data, log) -> Found:
             guesses.append(g)
         elif i == 0:
             exact_first = False
+    at = 1 if exact_first else 0
     if start.unsure:  # what the stages read but could not tell from look-alikes: tried first, kept only if it helps
-        guesses.insert(1 if exact_first else 0, start.unsure)
+        guesses.insert(at, start.unsure)
+        at += 1
+    # a rule a stage's steps could not show (the forward stage's: no step it could read at known weights held the
+    # pad id): tried with the unsure readings, after them (at a tie they win), kept only if it helps
+    candidate = {k: v for f in start.findings for k, v in f.evidence.get("candidate", {}).items()
+                 if k not in start.read and k not in start.settles}
+    if candidate:
+        guesses.insert(at, {**start.unsure, **candidate})
     return Found(found, tuple(guesses), exact_first, tuple(notes))
 
 
