@@ -210,4 +210,4 @@ def test_a_weighting_step_whose_loss_types_give_the_same_number_does_not_contrad
     w = next(f for f in identify.identify(cell) if f.stage == "weighting")
     assert w.settings == {"LOSS_NORM": "token_global"} and "LOSS_NORM" in w.settles, w
     assert not any("other steps read otherwise" in u for u in w.unsettled), w
-    assert "alike" not in w.evidence, w.evidence
+    assert "look_alikes" not in w.evidence, w.evidence

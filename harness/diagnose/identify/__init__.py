@@ -21,7 +21,9 @@ up to each completion's length where said), reachable here as `identify.<name>`:
     mask.py        mask(mask_rows, completion_ids, eos_ids, ...)     which tokens count in the loss, as a rule on
                                                                      token features (id, eos, position, truncation)
     forward.py     forward(logps, prompts, completions, score, ...)  what the forward pass sees: step 1's log-probs
-                                                                     scored again at the initial weights under
+                                                                     (or a later step's reference log-probs, where
+                                                                     step 1 holds no pad id) scored again at the
+                                                                     initial weights under
                                                                      candidate rules (ids hidden from attention,
                                                                      positions, an id's log-prob 0, a completion's
                                                                      end, raw logits, dtype)
@@ -220,10 +222,10 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
     # (what a step could not see served the comparison across steps only)
-    if not {"unseen", "kl_below", "alike"} & set(best.evidence):
+    if not {"unseen", "kl_below", "look_alikes"} & set(best.evidence):
         return best
     return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items()
-                                               if k not in ("unseen", "kl_below", "alike")})
+                                               if k not in ("unseen", "kl_below", "look_alikes")})
 
 
 _KL_FIELDS = ("BETA", "KL_ESTIMATOR", "KL_IS_CORRECTION")
@@ -253,9 +255,10 @@ def _differ(f: Finding, best: Finding) -> bool:
     unseen = _unseen(f, best) | _unseen(best, f)
     mine = {k: v for k, v in f.settings.items() if k not in unseen}
     theirs = {k: v for k, v in best.settings.items() if k not in unseen}
-    # a step whose readings give the same number cannot tell them apart (evidence["alike"]): one of them read
+    # a step whose readings give the same number cannot tell them apart (evidence["look_alikes"]): one of them read
     # elsewhere is no contradiction
-    return mine != theirs and theirs not in f.evidence.get("alike", ()) and mine not in best.evidence.get("alike", ())
+    return mine != theirs and theirs not in f.evidence.get("look_alikes", ()) and \
+        mine not in best.evidence.get("look_alikes", ())
 
 
 def _could_not_show(f: Finding, best: Finding) -> bool:

@@ -88,10 +88,10 @@ def _settings_of(kind: str, spec) -> dict:
 
 
 def _alike_evidence(alike: list, spec) -> dict:
-    """The loss types that give the same number at this step, as the settings each would read ({"alike": [...]}, or
+    """The loss types that give the same number at this step, as the settings each would read ({"look_alikes": [...]}, or
     {} where none does): a step that cannot tell them apart says nothing against another step that reads one of them
     (identify.pick)."""
-    return {"alike": [_settings_of(k, spec) for k in alike]} if alike else {}
+    return {"look_alikes": [_settings_of(k, spec) for k in alike]} if alike else {}
 
 
 def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int, grad_accum: int, step) -> Finding:
