@@ -11,6 +11,11 @@ before its update), so the completions can be scored again under candidate forwa
 - log-probs on the raw logits (LOGP_ON_RAW_LOGITS, at a temperature other than 1), the log_softmax taken on
   logits cast to bfloat16 or float16 (LOGITS_DTYPE: the model in float32, so it reproduces your log-probs exactly),
   another compute dtype (DTYPE: only at that dtype's own rounding).
+Step 1 may hold no pad id before a completion's end (a loop that trains one prompt group per step): then the first
+later step whose completions hold one is read from your reference log-probs there, which are the initial weights'
+where your loop saves them (a KL to the initial model) and every row without the pad id is TRL's rule's; without
+them the weights there are not known before the search, and hiding the pad id is handed to it as a candidate
+(`beyond_step_1`).
 Which tokens the loss counts is the mask stage's (it reads completions ended as found here). The rule that
 reproduces your log-probs with the fewest switches is the finding; the others that reproduce them as well are said
 as what the run could not tell. Nothing is scored where your log-probs already agree with TRL's rule (one pass), and
