@@ -207,3 +207,24 @@ def test_a_rule_on_an_id_can_act_only_where_the_id_stands_before_a_completions_e
 
     assert shows_id([[5, 6, 2], [1, 0, 2]], 0) and shows_id([[0, 3]], 0)
     assert not shows_id([[5, 6, 0]], 0) and not shows_id([[0]], 0) and not shows_id([], 0)
+
+
+def test_what_the_search_made_of_a_candidate_is_said():
+    """The forward stage's candidate (step 1 held no pad id) said as the search left it: kept; not kept with the
+    kept set agreeing past the first step it could act at (the loop does not do it); the search stopped before that
+    step (the stage's "could not tell" stands)."""
+    from harness.diagnose.explain import candidate_notes
+    from harness.diagnose.identify import Finding, words
+
+    f = Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
+                unsettled=("no completion of step 1 holds the pad id (0) before its end",),
+                evidence={"candidate": {"ATTENTION_HIDE_ID": 0}, "candidate_step": 3})
+    notes = ["selection: ...", *words([f])]
+    assert notes[1] == "forward: this run could not tell: no completion of step 1 holds the pad id (0) before its end"
+    kept = candidate_notes(notes, [f], {"ATTENTION_HIDE_ID": 0, "LR": 1e-5}, 12)
+    assert kept[0] == notes[0] and kept[1].startswith("forward, found by the search: your loop hides every token with "
+                                                      "id 0 from attention") and "step 3" in kept[1], kept
+    told = candidate_notes(notes, [f], {"LR": 1e-5}, 12)[1]
+    assert told.startswith("forward, told by the search: your loop's forward pass is not one that hides every token "
+                           "with id 0 from attention, wherever it stands (") and "through step 12, past step 3" in told
+    assert candidate_notes(notes, [f], {"LR": 1e-5}, 2) == notes  # stopped at step 2: it could not act yet

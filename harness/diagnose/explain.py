@@ -144,6 +144,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         spec, search, state, trace, data = escalated
         value_only = search.value_only
         notes += float32_notes(search.escalated_from, state.changes, spec_dtype)
+    notes = candidate_notes(notes, start.findings, state.changes, state.agree)
     answer = _answer(search.base, state.changes, start, trace)
     alike, cost = _look_alikes(search, state, yours)
     entry = {"cause": "+".join(sorted(answer.trl) + sorted(answer.quirks)) or "your loop", "fields": sorted(answer.trl),
@@ -261,6 +262,33 @@ def _found(spec, search: Search, start: Start, data, log) -> Found:
     if candidate:
         guesses.insert(at, {**start.unsure, **candidate})
     return Found(found, tuple(guesses), exact_first, tuple(notes))
+
+
+def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> list[str]:
+    """The notes, with what a stage said it could not show and handed on as a candidate (the forward stage's pad id,
+    held by no completion of step 1) said as the search left it: kept (the run needed it), or not kept where the
+    kept set agrees with your loop past the first step it could act at (it would have shown: your loop does not do
+    it); else the stage's words stand (the search stopped before it could act)."""
+    out = list(notes)
+    for f in findings:
+        cand, at = f.evidence.get("candidate"), f.evidence.get("candidate_step")
+        if not cand or not f.unsettled:
+            continue
+        said = f"{f.stage}: this run could not tell: {f.unsettled[0]}"
+        if said not in out:
+            continue
+        what = "; ".join(words(k, v).removeprefix("your loop ") for k, v in cand.items())
+        if all(changes.get(k) == v for k, v in cand.items()):
+            now = (f"{f.stage}, found by the search: your loop {what} (step 1 could not show it: the first step whose "
+                   f"completions hold the id before their end is step {at}; kept, the built-in loop needs it)")
+        elif agree >= at:
+            now = (f"{f.stage}, told by the search: your loop's forward pass is not one that {what.split(' (')[0]} "
+                   f"(without it the built-in loop agrees with your loop through step {agree}, past step {at}, the "
+                   "first whose completions hold the id before their end; step 1's held none)")
+        else:
+            continue
+        out[out.index(said)] = now
+    return out
 
 
 def _searched(search: Search, start: Start, found: Found, log) -> tuple[Trial, list, int | None]:
