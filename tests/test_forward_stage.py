@@ -228,3 +228,23 @@ def test_what_the_search_made_of_a_candidate_is_said():
     assert told.startswith("forward, told by the search: your loop's forward pass is not one that hides every token "
                            "with id 0 from attention, wherever it stands (") and "through step 12, past step 3" in told
     assert candidate_notes(notes, [f], {"LR": 1e-5}, 2) == notes  # stopped at step 2: it could not act yet
+
+
+def test_a_stages_candidate_is_a_first_guess_and_an_option_from_the_step_it_can_act_at():
+    """The forward stage's candidate goes to the search twice: as a first guess (with the unsure readings, and
+    alone: an unsure reading that does not fit must not sink it) and as an option from its first step (with another
+    change acting at that step it is found in a pair); a field your log or tensors settle is neither."""
+    import dataclasses as dc
+
+    from harness.diagnose.explain import Start, candidate_options, candidates
+    from harness.diagnose.identify import Finding
+    from harness.diagnose.search import Option
+
+    f = Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
+                unsettled=("...",), evidence={"candidate": {"ATTENTION_HIDE_ID": 0}, "candidate_step": 3})
+    start = Start(base=None, read={"LR": 1e-5}, unsure={"LR_SCHEDULE": "linear"}, identified={}, settles=(),
+                  settled=frozenset(), findings=(f,), lr_ahead=False, notes=())
+    assert candidates(start) == {"ATTENTION_HIDE_ID": 0}
+    assert candidate_options(start) == [Option("ATTENTION_HIDE_ID", 0, 3)]
+    for settled in (dc.replace(start, read={"ATTENTION_HIDE_ID": 0}), dc.replace(start, settles=("ATTENTION_HIDE_ID",))):
+        assert candidates(settled) == {} and candidate_options(settled) == []

@@ -136,6 +136,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         search.judge.columns.remove("learning_rate")  # (by the search, nor by the confirmation's whole comparison)
         data = dataclasses.replace(data, runs={**data.runs, "yours": data.yours.drop(columns=["learning_rate"])})
     search.settled |= start.settled  # settled by your own tensors: the search leaves them
+    search.extra = candidate_options(start)  # (a stage's candidate no option list holds)
     found = _found(spec, search, start, data, log)
     state, trace, value_only = _searched(search, start, found, log)
     spec_dtype, notes = spec.DTYPE, list(found.notes)
@@ -256,12 +257,30 @@ def _found(spec, search: Search, start: Start, data, log) -> Found:
         guesses.insert(at, start.unsure)
         at += 1
     # a rule a stage's steps could not show (the forward stage's: no step it could read at known weights held the
-    # pad id): tried with the unsure readings, after them (at a tie they win), kept only if it helps
-    candidate = {k: v for f in start.findings for k, v in f.evidence.get("candidate", {}).items()
-                 if k not in start.read and k not in start.settles}
+    # pad id): tried with the unsure readings and alone, after them (at a tie they win), kept only if it helps
+    candidate = candidates(start)
     if candidate:
-        guesses.insert(at, {**start.unsure, **candidate})
+        guesses[at:at] = [g for g in ({**start.unsure, **candidate}, candidate) if g not in guesses]
     return Found(found, tuple(guesses), exact_first, tuple(notes))
+
+
+def candidates(start: Start) -> dict:
+    """What the stages handed on as candidates (evidence["candidate"]), less what your log or tensors settle."""
+    return {k: v for f in start.findings for k, v in f.evidence.get("candidate", {}).items()
+            if k not in start.read and k not in start.settles}
+
+
+def candidate_options(start: Start) -> list:
+    """The stages' candidates as search options, each from the step it can first act at (evidence
+    ["candidate_step"]): a round that needs it with another change finds it in a pair."""
+    from harness.diagnose.search import Option
+
+    out = []
+    for f in start.findings:
+        at = f.evidence.get("candidate_step", 1)
+        out += [Option(k, v, at) for k, v in f.evidence.get("candidate", {}).items()
+                if k not in start.read and k not in start.settles]
+    return out
 
 
 def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> list[str]:
