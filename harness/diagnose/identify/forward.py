@@ -216,12 +216,14 @@ def beyond_step_1(cell, first) -> Finding | None:
         if _initial(ref, later.completions, score({}), pad, getattr(cell.spec, "DTYPE", "float32")):
             found = forward(ref, prompts, later.completions, score, cell.spec, pad, tuple(cell.eos_ids),
                             step=later.step, what="your reference model's log-probs (the initial weights')")
-            if found is None or not found.exact:  # TRL's rule at that step too, or none that reproduces them
-                return None if found is None else dataclasses.replace(found, evidence={**found.evidence,
-                                                                                       "read_from": "ref_logps"})
-            return dataclasses.replace(found, rule=f"{found.rule}; step 1's completions hold no pad id before their "
-                                       "end, so step 1 could not show it", evidence={**found.evidence,
-                                                                                      "read_from": "ref_logps"})
+            if found is None:  # TRL's rule reproduces them where the pad id stands: no rule on it
+                return None
+            if found.exact:
+                return dataclasses.replace(found, rule=f"{found.rule}; step 1's completions hold no pad id before "
+                                           "their end, so step 1 could not show it", evidence={**found.evidence,
+                                                                                          "read_from": "ref_logps"})
+            # no rule reproduces them: a forward pass of its own, or a reference that is not the initial weights
+            # (every row holds the pad id, none to check it by): nothing is claimed, the candidate goes on
     candidate = {"ATTENTION_HIDE_ID": pad}
     return Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
                    unsettled=(f"no completion of step 1 holds the pad id ({pad}) before its end, so a forward rule on "
