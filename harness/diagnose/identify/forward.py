@@ -205,7 +205,8 @@ def beyond_step_1(cell, first) -> Finding | None:
     pad = cell.pad_id
     if pad is None or pad < 0 or pad in tuple(cell.eos_ids) or shows_id(first.completions, pad):
         return None
-    at = next((s for s in range(2, cell.spec.STEPS + 1) if shows_id(_completions_at(cell, s), pad)), None)
+    last = getattr(cell.spec, "STEPS", 0) or max((cell.trained or cell.tensors or {1: None}).keys())
+    at = next((s for s in range(2, last + 1) if shows_id(_completions_at(cell, s), pad)), None)
     if at is None:
         return None
     later = next((s for s in steps(cell) if s.step == at), None)  # (its saved tensors, where it saved them)
@@ -223,7 +224,7 @@ def beyond_step_1(cell, first) -> Finding | None:
                                            "their end, so step 1 could not show it", evidence={**found.evidence,
                                                                                           "read_from": "ref_logps"})
             # no rule reproduces them: a forward pass of its own, or a reference that is not the initial weights
-            # (every row holds the pad id, none to check it by): nothing is claimed, the candidate goes on
+            # (where every row holds the pad id, none checks it): nothing is claimed, the candidate goes on
     candidate = {"ATTENTION_HIDE_ID": pad}
     return Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
                    unsettled=(f"no completion of step 1 holds the pad id ({pad}) before its end, so a forward rule on "
