@@ -30,3 +30,30 @@ def pin() -> dict:
         for key, value in PINS.items():
             os.environ.setdefault(key, value)
     return {k: os.environ[k] for k in PINS if k in os.environ}
+
+
+def fingerprint() -> str:
+    """The float arithmetic this process computes, in 12 hex digits: seeded matmuls at the embedded model's sizes,
+    log_softmax, reductions and a backward, on one thread. Two machines with the same fingerprint give the tests'
+    runs the same bits; the golden verdicts keep the one they were recorded with."""
+    import hashlib
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        out = []
+        for m, k, n in ((37, 64, 512), (200, 64, 4096), (16, 128, 64), (3, 1024, 1024)):
+            c = torch.randn(m, k, generator=g) @ torch.randn(k, n, generator=g)
+            out += [c, torch.log_softmax(c, -1), c.sum(-1), (c * c).mean()]
+        x = torch.randn(1000, 64, generator=g, requires_grad=True)
+        torch.nn.functional.linear(x, torch.randn(96, 64, generator=g)).tanh().sum().backward()
+        out.append(x.grad)
+        h = hashlib.sha256()
+        for t in out:
+            h.update(t.detach().numpy().tobytes())
+        return h.hexdigest()[:12]
+    finally:
+        torch.set_num_threads(threads)
