@@ -118,3 +118,25 @@ def test_a_forward_pass_no_rule_reproduces_is_said_so(setup):
     rows[1][1] += 0.05  # one log-prob off, after no token any rule hides
     f = _read(spec, rows, pad, eos)
     assert f is not None and not f.exact and f.settings == {} and f.no_switch and "no forward rule" in f.rule, f
+
+
+@pytest.mark.parametrize("cast, want", [
+    (False, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16", "LOGITS_DTYPE": "bfloat16"}),
+    (True, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16"}),
+])
+def test_a_model_loaded_in_bfloat16_is_read_as_bf16_weights(setup, cast, want):
+    """A loop that loads its model in bf16 (`from_pretrained(..., torch_dtype=torch.bfloat16)`, Atropos' trainer) and
+    scores the bf16 logits it returns as they come (`cross_entropy(model(ids).logits, ...)`), or after a cast to
+    float32: no rule with the spec's float32 weights reproduces its log-probs; the weights loaded in bf16 do."""
+    spec, _model, pad, eos = setup
+    bf16 = load_model(checkpoint_dir(spec), "bfloat16", "cpu").eval()
+    rows = []
+    for p, c in zip(PROMPTS, COMPLETIONS):
+        with torch.no_grad():
+            logits = bf16(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+        logits = logits.float() if cast else logits
+        ce = torch.nn.functional.cross_entropy(logits, torch.tensor(c), reduction="none")
+        rows.append((-ce).float().tolist())
+    f = _read(spec, rows, pad, eos)
+    assert f is not None and f.exact and f.settings == want, f
+    assert set(want) <= set(f.settles), f
