@@ -190,3 +190,20 @@ def test_a_token_mean_the_value_could_not_tell_is_read_as_dapo(setup):
     saved = _loop_step(setup[1], dapo, micro=8)  # one micro-batch of the 8
     found = G.read(_cell(setup, saved), {})
     assert [f.settings for f in found] == [{"LOSS_NORM": "token_global"}] and not found[0].no_switch, found
+
+
+def test_the_reading_needs_the_per_token_loss_read_from_the_advantages_saved(setup):
+    """Where the loop saved its per-token loss, the forms' weights are its only if the objective stage read that loss
+    exactly from the advantages saved (else they may not be the ones trained on), with nothing whose gradient a
+    per-completion weight leaves out at step 1 (a k1 KL term, an importance-sampling weight)."""
+    from harness.diagnose.identify.finding import Finding
+
+    saved = _loop_step(setup[1], lambda term, adv: (term * adv).mean() / 32)
+    saved["per_token_loss"] = [[-a] * len(c) for a, c in zip(saved["advantages"], COMPLETIONS)]
+    read = Finding("objective", 1, "your loop has TRL's per-token objective", {}, True, evidence={"form": "ratio"})
+    assert len(G.read(_cell(setup, saved), {"objective": [read]})) == 1
+    assert G.read(_cell(setup, saved), {}) == []  # not read
+    assert G.read(_cell(setup, saved), {"objective": [dataclasses.replace(read, exact=False)]}) == []
+    k1 = dataclasses.replace(read, evidence={"form": "ratio", "kl": ("k1", 0.04, False)})
+    assert G.read(_cell(setup, saved), {"objective": [k1]}) == []
+    assert G.read(_cell(setup, saved), {"objective": [dataclasses.replace(read, settings={"IS_CORRECTION": True})]}) == []

@@ -263,6 +263,8 @@ def read(cell, earlier: dict) -> list[Finding]:
         return []
     if any(g is None for g in probe["grad"]) or not all(isinstance(a, (int, float)) for a in adv):
         return []
+    if "per_token_loss" in t and not _objective_as_formed(earlier, cell.spec):
+        return []  # (the per-token loss is not -A x ratio of the advantages saved: the forms' weights are not its)
     spec = _forward_spec(cell, earlier)
     counts = [float(np.sum(np.asarray(m[:len(c)], dtype=np.float64))) for m, c in zip(t["mask"], first.completions)]
     parts = t.get("micro_batches")
@@ -285,6 +287,21 @@ def read(cell, earlier: dict) -> list[Finding]:
         value.rule.removeprefix("your loop ")
     loss = _number(t["loss"]) if "loss" in t else math.nan
     return [finding_of(r, counts, sizes, spec, noise, said, zero_loss=abs(loss) <= 1e-6)]
+
+
+def _objective_as_formed(earlier: dict, spec) -> bool:
+    """The objective stage read step 1's per-token loss exactly from the advantages your loop saved, with nothing
+    at a ratio of 1 whose gradient a per-completion weight leaves out: no importance-sampling weight (per token, or
+    per completion off 1), no k1 KL term (its gradient beta grad logp is there at step 1; k2's and k3's are 0)."""
+    obj = next((f for f in earlier.get("objective", ()) if f.step == 1), None)
+    if obj is None or not obj.exact:
+        return False
+    if obj.settings.get("IS_CORRECTION", getattr(spec, "IS_CORRECTION", False)):
+        return False
+    kl = obj.evidence.get("kl")
+    estimator = kl[0] if kl else obj.settings.get("KL_ESTIMATOR", getattr(spec, "KL_ESTIMATOR", "k3"))
+    weight = kl[1] if kl else obj.settings.get("BETA", getattr(spec, "BETA", 0.0))
+    return not (estimator == "k1" and weight)
 
 
 def _forward_spec(cell, earlier: dict):
