@@ -207,3 +207,35 @@ def test_the_reading_needs_the_per_token_loss_read_from_the_advantages_saved(set
     k1 = dataclasses.replace(read, evidence={"form": "ratio", "kl": ("k1", 0.04, False)})
     assert G.read(_cell(setup, saved), {"objective": [k1]}) == []
     assert G.read(_cell(setup, saved), {"objective": [dataclasses.replace(read, settings={"IS_CORRECTION": True})]}) == []
+
+
+def test_a_broadcast_over_micro_batches_of_whole_groups_has_no_gradient_and_is_named(setup):
+    """Micro-batches of 4 hold whole groups: each micro-batch's mean advantage is 0, so the broadcast loss trains on
+    nothing (its gradient is rounding) where grpo's would not: named, not read as the spec's grpo."""
+    saved = _loop_step(setup[1], lambda term, adv: (term * adv).mean() / 2, micro=4)
+    found = G.read(_cell(setup, saved), {})
+    assert len(found) == 1 and found[0].no_switch and found[0].evidence["vanishing"] < 1e-3, found
+    assert "mean advantage of its micro-batch" in found[0].rule and "whole groups" in found[0].rule, found[0].rule
+
+
+def test_a_step_after_steps_with_no_gradient_is_read_at_the_initial_weights(setup):
+    """Step 1's advantages all 0 (no reward spread: nothing to train, a gradient norm of 0): the weights at step 2 are
+    still the initial ones, so step 2's gradient is read; a step 1 that trained leaves step 2 unread."""
+    import pandas as pd
+
+    from harness.diagnose.cell import CellData
+
+    spec, _ckpt, pad, eos = setup
+    idle = _loop_step(setup[1], lambda term, adv: (term * adv.view(-1)).mean() * 0.0)
+    idle["advantages"] = [0.0] * len(COMPLETIONS)
+    const = _loop_step(setup[1], lambda term, adv: (term * adv.view(-1)).mean() / 16)
+    record = {"prompt_ids": [PROMPTS[i // 4] for i in range(8)], "completion_ids": COMPLETIONS}
+
+    def cell(norm1):
+        log = pd.DataFrame({"grad_norm": [norm1, 0.5]}, index=pd.Index([1, 2], name="step"))
+        return CellData(spec=spec, records=(record, record), tensors={1: idle, 2: const}, eos_ids=eos, pad_id=pad,
+                        runs={"yours": log})
+
+    found = G.read(cell(0.0), {})
+    assert len(found) == 1 and found[0].step == 2 and "divided by 16" in found[0].rule, found
+    assert G.read(cell(0.3), {}) == []  # step 1 trained (somewhere off the probed slice): step 2's weights unknown

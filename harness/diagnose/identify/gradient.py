@@ -2,8 +2,8 @@
 
 At a ratio of 1 with advantages centred in each group, a mean over completions is 0 whatever it is divided by and
 whatever advantage each completion is weighted with: the weighting stage reads the loss's value, and there it can
-tell neither. Step 1 is taken at the initial weights (every side starts from PARITY_INIT), and the contract's
-`Probe` saves a slice of step 1's gradient before clipping. At a ratio of 1 (no clip acts, a k2 or k3 KL has no
+tell neither. Step 1 is taken at the initial weights (every side starts from PARITY_INIT; so is a later step where
+every step before it had no gradient), and the contract's `Probe` saves a slice of its gradient before clipping. At a ratio of 1 (no clip acts, a k2 or k3 KL has no
 gradient there) the per-token loss is -A x ratio, and its gradient is linear in the per-token coefficients: a loss
 whose coefficient is one number per completion gives, on the probed slice,
 
@@ -188,7 +188,8 @@ def _token_settings(c: float, counts, n: int, max_tokens: int, noise: float) -> 
     return {"LOSS_DIVISOR": float(f"{d:.5g}")}, f"divides the masked per-token losses' sum by {d:.5g}"
 
 
-def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, zero_loss: bool = False) -> Finding:
+def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, zero_loss: bool = False,
+               step: int = 1) -> Finding:
     """The weighting stage's finding from the gradient's reading `r` (step 1), against the spec's weighting: the
     built-in loop's settings where it has a switch for it, else named as what no switch reproduces. `said_value`:
     what the loss's value read, said as what it could not tell."""
@@ -197,11 +198,11 @@ def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, z
     n, max_tokens = len(counts), spec.MAX_TOKENS
     why = (" (a loss of 0, as a mean over completions of centred advantages at a ratio of 1 is however it is "
            "divided)") if zero_loss else ""
-    told = (f"from the loss's value alone it reads as {said_value}{why}, which step 1's gradient does not give"
+    told = (f"from the loss's value alone it reads as {said_value}{why}, which step {step}'s gradient does not give"
             if said_value else "")
     ev = {"from_gradient": True, "form": r.form, "scale": r.scale, "residual": r.residual,
           "fits": {f: [c, res] for f, (c, res) in r.fits.items()}}
-    lead = "your loop's gradient at step 1 (the Probe's slice, at the initial weights) says its loss "
+    lead = f"your loop's gradient at step {step} (the Probe's slice, at the initial weights) says its loss "
     settings, no_switch = {}, False
     if r.form in ("own", "micro_batch_mean"):
         scale, d = _micro_batch_words(r.scale, sizes, n, noise)
@@ -236,7 +237,7 @@ def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, z
         rule = (f"{lead}weights each completion's per-token sum by the mean advantage of its micro-batch, not by its "
                 f"own (scale {r.scale:.4g}): no TRL setting and no switch of the built-in loop reproduces it")
     settings = {k: v for k, v in settings.items() if not _same(getattr(spec, k, None), v)}
-    return Finding("weighting", 1, rule, settings, True,
+    return Finding("weighting", step, rule, settings, True,
                    same_as_spec=not settings and not no_switch, no_switch=no_switch,
                    unsettled=(told,) if told else (), evidence=ev,
                    settles=() if no_switch else ("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR", "MICRO_BATCH_ORDER"))
@@ -246,24 +247,26 @@ def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, z
 # the stage: step 1's rows recomputed at the initial weights
 # ---------------------------------------------------------------------------------------------
 def read(cell, earlier: dict) -> list[Finding]:
-    """The weighting from step 1's gradient, where it says otherwise than the weighting the loss's value read
-    (earlier["weighting"], at step 1; the spec's where none): [] where your loop saved no Probe gradient at step 1,
-    no advantages or mask, its probed weights at step 1 are not the initial ones, no form fits, or the value's
-    reading fits the gradient as well."""
-    from harness.diagnose.identify.steps import _number, _rows_of, steps
+    """The weighting from the gradient of the first step that trains (step 1, or a later one where every step before
+    it logged a gradient norm of 0: the weights are still the initial ones), where it says otherwise than the
+    weighting the loss's value read there (earlier["weighting"]; the spec's where none): [] where your loop saved no
+    Probe gradient, advantages or mask there, its probed weights there are not the initial ones, the objective stage
+    did not read its per-token loss from those advantages, no form fits, or the value's reading fits as well. A
+    gradient that all but vanishes where the value's reading gives one is said too (each micro-batch's mean advantage
+    0, or no form found)."""
+    from harness.diagnose.identify.steps import _number, _rows_of
 
-    first = next((s for s in steps(cell) if s.step == 1), None)
-    probe = (cell.tensors.get(1) or {}).get("probe")
-    if first is None or not isinstance(probe, dict) or not probe.get("grad"):
+    at = _first_training_step(cell)
+    if at is None:
         return []
-    t = first.tensors
-    n = len(first.completions)
+    first, probe = at
+    t, n, step = first.tensors, len(first.completions), first.step
     adv = t.get("advantages")
     if not (_rows_of(t.get("mask"), n) and isinstance(adv, list) and len(adv) == n):
         return []
-    if any(g is None for g in probe["grad"]) or not all(isinstance(a, (int, float)) for a in adv):
+    if not all(isinstance(a, (int, float)) for a in adv):
         return []
-    if "per_token_loss" in t and not _objective_as_formed(earlier, cell.spec):
+    if "per_token_loss" in t and not _objective_as_formed(earlier, cell.spec, step):
         return []  # (the per-token loss is not -A x ratio of the advantages saved: the forms' weights are not its)
     spec = _forward_spec(cell, earlier)
     counts = [float(np.sum(np.asarray(m[:len(c)], dtype=np.float64))) for m, c in zip(t["mask"], first.completions)]
@@ -275,25 +278,74 @@ def read(cell, earlier: dict) -> list[Finding]:
         return []
     rows_grad, grad = got
     noise = NOISE.get(spec.DTYPE, NOISE["bfloat16"])
-    r = read_weights(rows_grad, grad, adv, counts, sizes, noise)
-    if r.form is None:
-        return []
-    value = next((f for f in earlier.get("weighting", ()) if f.step == 1 and f.exact and f.readable), None)
+    value = next((f for f in earlier.get("weighting", ()) if f.step == step and f.exact and f.readable), None)
     by_value = dataclasses.replace(spec, **value.settings) if value is not None else spec
     mine = implied(by_value, adv, counts, sizes, spec.MAX_TOKENS)
-    if mine is not None and residual(rows_grad, grad, mine) <= max(2 * r.residual, noise):
-        return []  # the value's reading gives this gradient too
     said = "" if value is None else "the spec's loss type" if value.same_as_spec and not value.settings else \
         value.rule.removeprefix("your loop ")
     loss = _number(t["loss"]) if "loss" in t else math.nan
-    return [finding_of(r, counts, sizes, spec, noise, said, zero_loss=abs(loss) <= 1e-6)]
+    r = read_weights(rows_grad, grad, adv, counts, sizes, noise)
+    if r.form is None:
+        expected = float(np.linalg.norm(np.asarray(rows_grad) @ mine)) if mine is not None else 0.0
+        if expected and float(np.linalg.norm(grad)) <= noise * expected:  # nothing where the value's reading has some
+            return [vanishing(grad, expected, adv, sizes, spec, said, step)]
+        return []
+    if mine is not None and residual(rows_grad, grad, mine) <= max(2 * r.residual, noise):
+        return []  # the value's reading gives this gradient too
+    return [finding_of(r, counts, sizes, spec, noise, said, zero_loss=abs(loss) <= 1e-6, step=step)]
 
 
-def _objective_as_formed(earlier: dict, spec) -> bool:
-    """The objective stage read step 1's per-token loss exactly from the advantages your loop saved, with nothing
+def _first_training_step(cell):
+    """(the first step with something to train on, its probe: a Probe gradient not 0, or advantages not all 0),
+    where every step before it saved a probe whose gradient is 0 and logged a pre-clip gradient norm of exactly 0
+    (Adam does not move a weight on no gradient: the weights there are the initial ones, which _row_gradients checks
+    on the probed slice); None where a step before it trained, saved nothing, or its tensors' rows are not the
+    recording's."""
+    from harness.diagnose.identify.steps import steps
+
+    by_step = {s.step: s for s in steps(cell)}
+    norms = cell.grad_norms()
+    for k in range(1, max(by_step, default=0) + 1):
+        s, probe = by_step.get(k), (cell.tensors.get(k) or {}).get("probe")
+        if s is None or not isinstance(probe, dict) or not probe.get("grad") or any(g is None for g in probe["grad"]):
+            return None
+        adv = s.tensors.get("advantages")
+        some = isinstance(adv, list) and any(isinstance(a, (int, float)) and a != 0 for a in adv)
+        if some or any(np.any(np.asarray(g, dtype=np.float64)) for g in probe["grad"]):
+            return s, probe  # (a gradient of 0 with advantages to train on is a reading too)
+        if norms.get(k) != 0.0:
+            return None
+    return None
+
+
+def vanishing(grad, expected: float, advantages, sizes, spec, said_value: str, step: int) -> Finding:
+    """A gradient all but 0 where the value's reading gives one of norm `expected`: each micro-batch's mean advantage
+    is 0 (the broadcast of a loop whose micro-batches hold whole groups of centred advantages), or no form says why."""
+    a = np.asarray(advantages, dtype=np.float64)
+    ratio = float(np.linalg.norm(grad)) / expected
+    than = f"|gradient| {ratio:.1g} of what {said_value or 'the spec' + chr(39) + 's loss type'} gives"
+    lead = f"your loop's gradient at step {step} (the Probe's slice, at the initial weights) "
+    means = micro_batch_means(a, sizes)
+    if np.any(np.abs(a) > 0) and np.all(np.abs(means) <= 1e-5 * np.max(np.abs(a))):
+        bounds = np.cumsum([0, *sizes])
+        whole = all(b % spec.GROUP_SIZE == 0 for b in bounds)
+        rule = (f"{lead}is all but 0 ({than}): its loss weights each completion's per-token mean by the mean advantage "
+                "of its micro-batch, not by its own (advantages shaped (B, 1) against a per-completion term shaped "
+                "(B,): `(term * advantages).mean()` is a (B, B) broadcast), and every micro-batch's mean advantage is 0 "
+                + ("(each holds whole groups of centred advantages)" if whole else "here")
+                + ": no TRL setting and no switch of the built-in loop reproduces it")
+        return Finding("weighting", step, rule, {}, True, no_switch=True,
+                       evidence={"from_gradient": True, "form": "micro_batch_mean", "vanishing": ratio})
+    return Finding("weighting", step, f"{lead}is all but 0 ({than}), and no weighting tried says why", {}, False,
+                   no_switch=True, evidence={"from_gradient": True, "vanishing": ratio})
+
+
+def _objective_as_formed(earlier: dict, spec, step: int = 1) -> bool:
+    """The objective stage read the step's per-token loss exactly from the advantages your loop saved, with nothing
     at a ratio of 1 whose gradient a per-completion weight leaves out: no importance-sampling weight (per token, or
-    per completion off 1), no k1 KL term (its gradient beta grad logp is there at step 1; k2's and k3's are 0)."""
-    obj = next((f for f in earlier.get("objective", ()) if f.step == 1), None)
+    per completion off 1), no k1 KL term (its gradient beta grad logp is there at the initial weights; k2's and k3's
+    are 0)."""
+    obj = next((f for f in earlier.get("objective", ()) if f.step == step), None)
     if obj is None or not obj.exact:
         return False
     if obj.settings.get("IS_CORRECTION", getattr(spec, "IS_CORRECTION", False)):
@@ -312,8 +364,8 @@ def _forward_spec(cell, earlier: dict):
 
 def _row_gradients(cell, spec, first, probe) -> tuple[np.ndarray, np.ndarray] | None:
     """(elements x completions: each completion's mean log-prob gradient over its mask's tokens, at the initial
-    weights, on the probed elements; the Probe's gradient there), or None where the probed weights at step 1 are not
-    the initial checkpoint's (held as MASTER_WEIGHTS says) or a probed name is not the model's."""
+    weights, on the probed elements; the Probe's gradient there), or None where the probed weights at that step are
+    not the initial checkpoint's (held as MASTER_WEIGHTS says) or a probed name is not the model's."""
     import torch
 
     from harness.diagnose.identify.forward import pass_rules
@@ -335,8 +387,6 @@ def _row_gradients(cell, spec, first, probe) -> tuple[np.ndarray, np.ndarray] | 
             return None  # not the initial weights at step 1 (or not the dtype they are held in)
         picks.append((p, idx))
     grad = np.concatenate([np.asarray(g, dtype=np.float64) for g in probe["grad"]])
-    if not np.any(grad):
-        return None
     rules = pass_rules(spec, cell.eos_ids)
     temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE
     comps = core.end_at_id(first.completions, spec.END_AT_ID) if spec.END_AT_ID >= 0 else first.completions
