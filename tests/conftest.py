@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
+sys.path.insert(0, os.path.dirname(__file__))
+import cpu_arithmetic  # noqa: E402 - before anything imports torch
+
+cpu_arithmetic.pin()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -171,6 +171,22 @@ def golden_path(name: str) -> Path:
     return GOLDEN_DIR / f"{name}.json"
 
 
+# the float arithmetic a golden was recorded on (tests/cpu_arithmetic.py fingerprint): its floats hold to the last bit
+# only where the same arithmetic runs
+ARITHMETIC = "arithmetic"
+
+
+def golden(name: str) -> dict:
+    """What was recorded of a case, without the arithmetic it was recorded on."""
+    doc = json.loads(golden_path(name).read_text(encoding="utf-8"))
+    doc.pop(ARITHMETIC, None)
+    return doc
+
+
+def recorded_on(name: str) -> str | None:
+    return json.loads(golden_path(name).read_text(encoding="utf-8")).get(ARITHMETIC)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("record", "check"):
         print(__doc__)
@@ -182,13 +198,21 @@ def main(argv: list[str]) -> int:
         return 2
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     bad = 0
+    from cpu_arithmetic import fingerprint
+
+    here = fingerprint()
     for name in names:
+        if argv[0] == "check" and recorded_on(name) != here:
+            print(f"{name}: not compared: recorded on the arithmetic {recorded_on(name)}, this machine computes {here} "
+                  "(tests/cpu_arithmetic.py)")
+            continue
         got = run_case(name)
         if argv[0] == "record":
-            golden_path(name).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            golden_path(name).write_text(json.dumps({**got, ARITHMETIC: here}, indent=1, sort_keys=True) + "\n",
+                                         encoding="utf-8")
             print(f"recorded {name}: {got['verdict']['cells'][0].get('verdict')}")
         else:
-            diff = differences(json.loads(golden_path(name).read_text(encoding="utf-8")), got)
+            diff = differences(golden(name), got)
             bad += bool(diff)
             print(f"{name}: " + ("same" if not diff else "DIFFERS\n  " + "\n  ".join(diff)))
     return 1 if bad else 0
@@ -196,4 +220,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cpu_arithmetic  # before torch runs a kernel: the arithmetic the goldens were recorded in
+
+    cpu_arithmetic.pin()
     raise SystemExit(main(sys.argv[1:]))

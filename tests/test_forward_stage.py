@@ -120,6 +120,140 @@ def test_a_forward_pass_no_rule_reproduces_is_said_so(setup):
     assert f is not None and not f.exact and f.settings == {} and f.no_switch and "no forward rule" in f.rule, f
 
 
+# ---- a rule on the pad id whose evidence lies beyond step 1 (a loop that trains one prompt group per step) -------
+CLEAN = [[7, 5, 12, 8, 2], [14, 15, 2]]  # step 1's two completions: no pad id before their end
+LATER = [[7, 0, 12, 8, 2], [14, 15, 2]]  # step 2's: a sampled pad id (0) inside the first
+
+
+def _rows_logps(model, prompts, comps, hide=None):
+    """A loop's log-probs of `comps` after `prompts` at `model`'s weights, the attention mask `ids != hide` where
+    given (left-padded prompts, right-padded completions)."""
+    P, T = max(map(len, prompts)), max(map(len, comps))
+    ids = torch.tensor([[0] * (P - len(p)) + p + c + [0] * (T - len(c)) for p, c in zip(prompts, comps)])
+    attention = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
+                              for p, c in zip(prompts, comps)])
+    if hide is not None:
+        attention = attention * (ids != hide).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _group_cell(spec, model, pad, eos, ref: str | None):
+    """One round of four completions trained two per step (harness.loop.trained): step 1 on CLEAN, step 2 on LATER,
+    the loop's attention mask built as `ids != pad`. `ref`: what it saves as reference log-probs at step 2: "initial"
+    (the initial model's, as a KL to it takes them), "moved" (another model's: every row off), "moved_all" (the row
+    with the pad id off, the other TRL's: no rule reproduces it), None (none saved).
+    Its step-2 log-probs are a moved policy's (off in every row): only the reference can be read there."""
+    from harness.diagnose.cell import CellData
+
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    first = _rows_logps(model, prompts, CLEAN, hide=0)
+    second = _rows_logps(model, prompts, LATER, hide=0)
+    step2 = {"logps": [[x + 0.3 for x in row] for row in second]}
+    if ref == "initial":
+        step2["ref_logps"] = second
+    elif ref == "moved":
+        step2["ref_logps"] = [[x - 0.2 for x in row] for row in second]
+    elif ref == "moved_all":  # only the row with the pad id off: no untouched row to check the reference by
+        step2["ref_logps"] = [[x - 0.2 for x in second[0]], second[1]]
+    record = {"prompt_ids": prompts + prompts, "completion_ids": CLEAN + LATER}
+    return CellData(spec=dataclasses.replace(spec, GROUP_SIZE=2), records=(record,), eos_ids=eos, pad_id=pad,
+                    tensors={1: {"logps": first}, 2: step2}, trained={1: [(0, 0), (0, 1)], 2: [(0, 2), (0, 3)]})
+
+
+def test_a_pad_id_attention_mask_is_read_from_the_reference_log_probs_of_the_first_step_that_holds_one(setup):
+    """Step 1 holds no pad id: TRL's rule reproduces it, and no rule on the pad id can show there. Step 2 holds one;
+    its policy has moved, but its reference log-probs are the initial weights' (its row without the pad id is TRL's
+    rule's there): scored again there, hiding the pad id from attention reproduces them, and is settled."""
+    from harness.diagnose.identify.forward import read
+
+    spec, model, pad, eos = setup
+    [f] = read(_group_cell(spec, model, pad, eos, "initial"), {})
+    assert f.exact and f.step == 2 and f.settings == {"ATTENTION_HIDE_ID": 0}, f
+    assert "ATTENTION_HIDE_ID" in f.settles and "reference model's log-probs" in f.rule, f
+    assert "step 1 could not show it" in f.rule, f
+
+
+def test_without_a_reference_at_known_weights_the_pad_id_rule_is_a_candidate_for_the_search(setup):
+    """No reference log-probs at step 2, a reference that moved (its row without the pad id is off too), or one no
+    rule reproduces (it may not be the initial weights): the weights there are not known before the search, so
+    nothing is claimed of the forward pass; what step 1 could not show is said, and hiding the pad id is handed on as
+    a candidate (evidence["candidate"], no setting)."""
+    from harness.diagnose.identify.forward import read
+
+    spec, model, pad, eos = setup
+    for ref in (None, "moved", "moved_all"):
+        [f] = read(_group_cell(spec, model, pad, eos, ref), {})
+        assert f.exact and f.same_as_spec and f.settings == {} and not f.settles, (ref, f)
+        assert f.evidence["candidate"] == {"ATTENTION_HIDE_ID": 0} and f.evidence["candidate_step"] == 2, (ref, f)
+        assert any("could not show there" in u and "step 2" in u for u in f.unsettled), (ref, f)
+
+
+def test_no_candidate_where_step_1_could_show_the_rule_or_no_step_holds_the_pad_id(setup):
+    """Step 1 holding the pad id inside a completion read TRL's rule there (the rule refuted, nothing beyond it);
+    completions without any pad id give nothing to say."""
+    from harness.diagnose.cell import CellData
+    from harness.diagnose.identify.forward import read
+
+    spec, model, pad, eos = setup
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    for one, two in ((LATER, LATER), (CLEAN, CLEAN)):
+        cell = CellData(spec=dataclasses.replace(spec, GROUP_SIZE=2), eos_ids=eos, pad_id=pad,
+                        records=({"prompt_ids": prompts + prompts, "completion_ids": one + two},),
+                        tensors={1: {"logps": _rows_logps(model, prompts, one)}},
+                        trained={1: [(0, 0), (0, 1)], 2: [(0, 2), (0, 3)]})
+        assert read(cell, {}) == [], (one, two)
+
+
+def test_a_rule_on_an_id_can_act_only_where_the_id_stands_before_a_completions_end():
+    from harness.diagnose.identify.forward import shows_id
+
+    assert shows_id([[5, 6, 2], [1, 0, 2]], 0) and shows_id([[0, 3]], 0)
+    assert not shows_id([[5, 6, 0]], 0) and not shows_id([[0]], 0) and not shows_id([], 0)
+
+
+def test_what_the_search_made_of_a_candidate_is_said():
+    """The forward stage's candidate (step 1 held no pad id) said as the search left it: kept; not kept with the
+    kept set agreeing past the first step it could act at (the loop does not do it); the search stopped before that
+    step (the stage's "could not tell" stands)."""
+    from harness.diagnose.explain import candidate_notes
+    from harness.diagnose.identify import Finding, words
+
+    f = Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
+                unsettled=("no completion of step 1 holds the pad id (0) before its end",),
+                evidence={"candidate": {"ATTENTION_HIDE_ID": 0}, "candidate_step": 3})
+    notes = ["selection: ...", *words([f])]
+    assert notes[1] == "forward: this run could not tell: no completion of step 1 holds the pad id (0) before its end"
+    kept = candidate_notes(notes, [f], {"ATTENTION_HIDE_ID": 0, "LR": 1e-5}, 12)
+    assert kept[0] == notes[0] and kept[1].startswith("forward, found by the search: your loop hides every token with "
+                                                      "id 0 from attention") and "step 3" in kept[1], kept
+    told = candidate_notes(notes, [f], {"LR": 1e-5}, 12)[1]
+    assert told.startswith("forward, told by the search: your loop's forward pass is not one that hides every token "
+                           "with id 0 from attention, wherever it stands (") and "through step 12, past step 3" in told
+    assert candidate_notes(notes, [f], {"LR": 1e-5}, 2) == notes  # stopped at step 2: it could not act yet
+
+
+def test_a_stages_candidate_is_a_first_guess_and_an_option_from_the_step_it_can_act_at():
+    """The forward stage's candidate goes to the search twice: as a first guess (with the unsure readings, and
+    alone: an unsure reading that does not fit must not sink it) and as an option from its first step (with another
+    change acting at that step it is found in a pair); a field your log or tensors settle is neither."""
+    import dataclasses as dc
+
+    from harness.diagnose.explain import Start, candidate_options, candidates
+    from harness.diagnose.identify import Finding
+    from harness.diagnose.search import Option
+
+    f = Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
+                unsettled=("...",), evidence={"candidate": {"ATTENTION_HIDE_ID": 0}, "candidate_step": 3})
+    start = Start(base=None, read={"LR": 1e-5}, unsure={"LR_SCHEDULE": "linear"}, identified={}, settles=(),
+                  settled=frozenset(), findings=(f,), lr_ahead=False, notes=())
+    assert candidates(start) == {"ATTENTION_HIDE_ID": 0}
+    assert candidate_options(start) == [Option("ATTENTION_HIDE_ID", 0, 3)]
+    for settled in (dc.replace(start, read={"ATTENTION_HIDE_ID": 0}), dc.replace(start, settles=("ATTENTION_HIDE_ID",))):
+        assert candidates(settled) == {} and candidate_options(settled) == []
+
+
 @pytest.mark.parametrize("cast, want", [
     (False, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16", "LOGITS_DTYPE": "bfloat16"}),
     (True, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16"}),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from harness.diagnose import identify
@@ -133,3 +134,80 @@ def test_your_loop_at_parity_says_what_the_run_could_not_tell():
     said = headline({"cells": [cell], "mode": "lockstep"})
     assert said["items"] == ["This run could not tell your loop's clip bounds (TRL's epsilon = 0.2)."], said
     assert headline({"cells": [{**cell, "untold": []}], "mode": "lockstep"})["items"] == []
+
+
+def test_kl_resolution_is_the_smallest_weight_some_token_would_show():
+    """Known answer: one token's reference 0.1 below the policy, one equal, a tolerance of 1e-3 each. k1 = 0.1 there:
+    1e-3 / 0.1 = 0.01; k2 = 0.005: 0.2; k3 = exp(-0.1) + 0.1 - 1 = 0.0048374: 0.20672. With TRL's ratio factor the
+    larger term counts (a ratio of 2 halves each). A reference equal to the policy shows no weight at all (inf)."""
+    import math
+
+    import numpy as np
+
+    from harness.diagnose.identify.objective import kl_resolution
+
+    lp, ref, tol = np.array([-1.0, -2.0]), np.array([-1.1, -2.0]), np.array([1e-3, 1e-3])
+    got = kl_resolution(lp, ref, np.ones(2), tol)
+    assert got["k1"] == pytest.approx(0.01) and got["k2"] == pytest.approx(0.2), got
+    assert got["k3"] == pytest.approx(1e-3 / (math.exp(-0.1) + 0.1 - 1.0)), got
+    assert kl_resolution(lp, ref, np.array([2.0, 1.0]), tol)["k1"] == pytest.approx(0.005)
+    assert kl_resolution(lp, lp, np.ones(2), tol) == {"k1": math.inf, "k2": math.inf, "k3": math.inf}
+
+
+def _kl_steps(beta: float, near: float, estimator: str = "k1") -> dict:
+    """Two steps of a loop with a KL term of weight `beta` (no ratio factor) in its loss, its loss the masked sum
+    over its 4 completions: step 1's reference `near` from the policy (apart, but so close the term may sit under the
+    tolerance), step 2's 0.05 apart (the term shows)."""
+    torch.manual_seed(7)
+    mask = torch.tensor([[1.0 if t < len(c) else 0.0 for t in range(3)] for c in COMPS])
+    mine = {}
+    for step, adv, spread in ((1, [1.0, -1.0, 0.4, -0.4], near), (2, [-0.7, 0.7, 1.2, -1.2], 0.05)):
+        logp = -torch.rand(4, 3)
+        ref = logp + spread * torch.randn(4, 3)
+        kl = logp - ref if estimator == "k1" else torch.exp(ref - logp) - (ref - logp) - 1
+        ptl = -torch.tensor(adv)[:, None] * torch.ones(4, 3) + beta * kl
+        mine[step] = {"advantages": adv, "logps": logp.tolist(), "old_logps": logp.tolist(), "ref_logps": ref.tolist(),
+                      "mask": mask.tolist(), "per_token_loss": ptl.tolist(),
+                      "loss": float((ptl * mask).sum() / 4)}
+    return mine
+
+
+def test_a_step_whose_kl_term_is_below_its_resolution_does_not_outvote_the_step_that_reads_it():
+    """Step 1's reference only 1e-5 from the policy: a KL of 0.04 moves its per-token loss by ~4e-7, under the
+    tolerance, so it reads no KL term, and says a weight below ~10 would not show there. Step 2 reads k1 of weight
+    0.04. Step 1 could not have shown that weight: it neither contradicts nor outvotes step 2 (the reading said is
+    step 2's, settled, with no "other steps read otherwise"), and what served the comparison is not kept."""
+    obj = _found(_kl_steps(0.04, 1e-5))["objective"]
+    assert obj.step == 2 and obj.settings == {"BETA": 0.04, "KL_ESTIMATOR": "k1"}, obj
+    assert {"BETA", "KL_ESTIMATOR"} <= set(obj.settles), obj
+    assert not any("other steps read otherwise" in u for u in obj.unsettled), obj
+    assert "kl_below" not in obj.evidence, obj.evidence
+
+
+def test_a_kl_read_with_look_alike_estimators_is_not_outvoted_by_a_step_that_could_not_see_it():
+    """k3 of 0.04, step 2's log-ratios small enough that k2 fits alike (its reading leaves more unsettled than step
+    1's): step 1, whose KL term is below its resolution, still does not outvote it: the reading said is step 2's
+    weight (a guess for the search, the estimator left open), not step 1's "no KL term"."""
+    obj = _found(_kl_steps(0.04, 1e-5, "k3"))["objective"]
+    assert obj.step == 2 and obj.settings.get("BETA") == 0.04, obj
+    assert any("fit alike" in u for u in obj.unsettled), obj
+    assert not any("other steps read otherwise" in u for u in obj.unsettled), obj
+
+
+def test_a_weighting_step_whose_loss_types_give_the_same_number_does_not_contradict_one_that_tells():
+    """Step 1's completions have 3, 2, 3, 3 loss tokens (micro-batches of 5 and 6): its loss, the masked sum over the
+    step's tokens, is TRL's dapo alone. Step 2's have 3 each: grpo (the spec's) and dapo give the same number there,
+    and it cannot tell them apart. So the reading is dapo, settled, and step 2 is no "other steps read otherwise"."""
+    comps1, comps2 = [[3, 4, 2], [5, 2], [6, 7, 8], [4, 9, 2]], [[3, 4, 2], [5, 6, 2], [6, 7, 8], [4, 9, 2]]
+    mine = {}
+    for step, comps in ((1, comps1), (2, comps2)):
+        mask = torch.tensor([[1.0 if t < len(c) else 0.0 for t in range(3)] for c in comps])
+        ptl = -torch.rand(4, 3)
+        mine[step] = {"advantages": [1.0, -1.0, 0.5, -0.5], "mask": mask.tolist(), "per_token_loss": ptl.tolist(),
+                      "loss": float((ptl * mask).sum() / mask.sum())}
+    cell = CellData(spec=SPEC, records=({"completion_ids": comps1}, {"completion_ids": comps2}), tensors=mine,
+                    eos_ids=(2,), pad_id=0, trained={1: [(0, i) for i in range(4)], 2: [(1, i) for i in range(4)]})
+    w = next(f for f in identify.identify(cell) if f.stage == "weighting")
+    assert w.settings == {"LOSS_NORM": "token_global"} and "LOSS_NORM" in w.settles, w
+    assert not any("other steps read otherwise" in u for u in w.unsettled), w
+    assert "look_alikes" not in w.evidence, w.evidence

@@ -45,6 +45,18 @@ def _explained(tmp_path, name: str, *flags: str, tensor_steps: int = 6) -> dict:
     return cell["attribution_detail"][0]
 
 
+def _beta2_said(found: dict, value: float) -> dict:
+    """The table without adam_beta2, having checked that the loop's own beta2 `value` is either in it or said as what
+    the run could not tell: at these rates its effect sits at the tolerance's edge, so which of the two the search
+    gives moves with the float noise of the machine's kernels (docs/benchmarks.md; both are right)."""
+    trl = dict(found["fix"]["trl"])
+    if "adam_beta2" in trl:
+        assert trl.pop("adam_beta2") == value, found["fix"]
+    else:
+        assert f"could not tell: with adam_beta2 = {value:g}" in " ".join(found["notes"]), found["notes"]
+    return trl
+
+
 def test_openrlhfs_grpo_math_with_its_own_schedule_logged_a_step_ahead(tmp_path):
     """OpenRLHF's group_norm GRPO (advantage epsilon 1e-9, a token mean over the whole step, lr 5e-7 with a 2-step
     warmup to a cosine with a floor over a 64-step horizon, the rate logged after the scheduler stepped): the
@@ -53,9 +65,9 @@ def test_openrlhfs_grpo_math_with_its_own_schedule_logged_a_step_ahead(tmp_path)
     tolerance at this rate, said as what the run could not tell."""
     found = _explained(tmp_path, "openrlhf_grpo.py")
     assert found["status"] == "confirmed", found["evidence"]
-    assert found["fix"]["trl"] == {"loss_type": "dapo", "learning_rate": 5e-07, "reward_weights": [1.0, 0.0],
-                                   "lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": 2,
-                                   "lr_scheduler_kwargs": {"num_cycles": 0.08065, "min_lr_rate": 0.1}}, found["fix"]
+    assert _beta2_said(found, 0.95) == {"loss_type": "dapo", "learning_rate": 5e-07, "reward_weights": [1.0, 0.0],
+                                        "lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": 2,
+                                        "lr_scheduler_kwargs": {"num_cycles": 0.08065, "min_lr_rate": 0.1}}, found["fix"]
     assert set(found["fix"]["scratch"]) == {"STD_EPS"}, found["fix"]
     notes = " ".join(found["notes"])
     assert "after its scheduler stepped" in notes and "could not tell: with beta = 0.001" in notes, notes
@@ -68,13 +80,13 @@ def test_nemo_rls_grpo_with_its_leave_one_out_baseline_and_warmup(tmp_path):
     50 steps as warmup_stable_decay's (its warmup from min_lr_ratio; it was LR_STEPS, "TRL has no setting")."""
     found = _explained(tmp_path, "nemorl_grpo.py")
     assert found["status"] == "confirmed", found["evidence"]
-    assert found["fix"]["trl"] == {"loss_type": "dapo", "beta": 0.01, "learning_rate": 5e-06,
-                                   "lr_scheduler_type": "warmup_stable_decay", "warmup_steps": 50,
-                                   "lr_scheduler_kwargs": {"num_decay_steps": 0, "min_lr_ratio": 0.1}}, found["fix"]
+    assert _beta2_said(found, 0.999) == {"loss_type": "dapo", "beta": 0.01, "learning_rate": 5e-06,
+                                         "lr_scheduler_type": "warmup_stable_decay", "warmup_steps": 50,
+                                         "lr_scheduler_kwargs": {"num_decay_steps": 0, "min_lr_ratio": 0.1}}, found["fix"]
     scratch = found["fix"]["scratch"]
     assert scratch["ADV_BASELINE"] == "loo" and "LR_STEPS" not in scratch, scratch
     notes = " ".join(found["notes"])
-    assert "could not tell: with adam_beta2 = 0.999" in notes and "weight_decay = 0.01" in notes, notes
+    assert "weight_decay = 0.01" in notes, notes
 
 
 def test_nemo_rls_own_importance_sampling_correction_on_a_separate_samplers_log_probs(tmp_path):
@@ -104,7 +116,7 @@ def test_raschkas_book_script_one_group_per_step_on_the_current_policy(tmp_path)
     correctness reward alone. The tiny model earns no reward on its first six steps, so 12 steps of tensors."""
     found = _explained(tmp_path, "raschka_grpo.py", tensor_steps=12)
     assert found["status"] == "confirmed", found["evidence"]
-    assert found["fix"]["trl"] == {"learning_rate": 1e-05, "reward_weights": [1.0, 0.0]}, found["fix"]
+    assert _beta2_said(found, 0.999) == {"learning_rate": 1e-05, "reward_weights": [1.0, 0.0]}, found["fix"]
     scratch = found["fix"]["scratch"]
     assert scratch["LOGP_OLD"] == "current" and scratch["LOSS_DIVISOR"] == 4.0 and "SELECTION" in scratch, scratch
 

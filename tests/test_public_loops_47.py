@@ -171,7 +171,6 @@ def test_alignanything_current_policy_at_every_step(alignanything):
     assert alignanything["fix"]["scratch"].get("LOGP_OLD") == "current", alignanything["fix"]
 
 
-@pytest.mark.xfail(strict=True, reason="objective: the KL of 0.01 (read at step 10 only) is left out of the table")
 def test_alignanything_kl_named(alignanything):
     """A k3 KL of beta = 0.01 in the loss, without TRL's ratio factor."""
     trl, notes = alignanything["fix"]["trl"], " ".join(alignanything["notes"])
@@ -179,8 +178,6 @@ def test_alignanything_kl_named(alignanything):
     assert trl.get("use_bias_correction_kl") is False or "use_bias_correction_kl" in notes, notes
 
 
-@pytest.mark.xfail(strict=True, reason="forward pass: the attention mask `ids != pad_id` (a sampled pad token 0 "
-                                       "hidden from later tokens, kept in the loss) is not read")
 def test_alignanything_pad_id_attention_mask_named(alignanything):
     """Rounds 0 and 2 each hold five sampled 0 tokens in their completions: the forward pass hides them from every
     later token. The explanation must name the pad id's attention mask, and with it confirm the whole."""

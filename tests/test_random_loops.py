@@ -63,7 +63,7 @@ SOURCE_OF_QUIRK = {
     "STD_EPS": "+ STD_EPS", "LOGP_ZERO_ID": "ignore_index=PAD", "LOGITS_DTYPE": "logits.to(torch.bfloat16)",
     "TRUNCATED_IF": "EOS in batch['completion_ids']", "ADV_STATS_DTYPE": "rewards.to(torch.float16)",
     "ADV_RENORM": "(adv_rows - tok_adv.mean()) / (tok_adv.std() + 1e-8)", "ADV_CLAMP": "adv.clamp(-1.0, 1.0)",
-    "DROP_ZERO_ADV": "* (adv_rows != 0)",
+    "DROP_ZERO_ADV": "* (adv_rows != 0)", "ATTENTION_HIDE_ID": "attention = (ids != PAD).long()",
 }
 
 

@@ -133,7 +133,7 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
             return _one_token_each(prompts)
 
     _use_fake_vllm(monkeypatch, LLM)
-    spec = small_spec('sampler.kind="vllm"', 'sampler.vllm_engine="shared"')
+    spec = small_spec('sampler.kind="vllm"')  # the default engine: shared
 
     def draw():  # a lockstep round: seeded, the sampler (and, the first time, the engine) made inside it
         with torch.random.fork_rng():
@@ -161,7 +161,8 @@ def test_the_sampler_keeps_one_engine_seeds_each_request_and_pushes_every_weight
     assert len(built) == 2 and built[1]["gpu_memory_utilization"] == 0.5
     samplers.VLLMSampler(spec, _checkpoint(tmp_path / "c", hidden_size=16))  # another shape: another engine
     assert len(built) == 3 and not built[2]["enable_sleep_mode"]
-    per_side = small_spec('sampler.kind="vllm"', "sampler.vllm_gpu_memory_utilization=0.5")  # the default
+    per_side = small_spec('sampler.kind="vllm"', 'sampler.vllm_engine="per_side"',
+                          "sampler.vllm_gpu_memory_utilization=0.5")
     samplers.VLLMSampler(per_side, ckpt)
     samplers.VLLMSampler(per_side, _checkpoint(tmp_path / "d"))  # per side: one engine per checkpoint, as before
     assert len(built) == 5

@@ -9,9 +9,10 @@ delta = logp_trainer - logp_sampler (mean, |delta| percentiles, mean exp|delta|,
 [IS_CLIP_MIN, IS_CLIP_MAX]) and the sequence-level summed delta (its spread, the share outside the bounds), as
 `core.mismatch_spread` defines them.
 
-Samplers: `vllm` (needs vLLM and a GPU; built last, it keeps its memory), `noise` (the emulated sampler as the
-matrix's `is=` cells use it where no vLLM is: noise 0.02 x each tensor's std), `bfloat16` (the emulated sampler with
-only the weights rounded to bf16 as an inference engine holds them), `policy` (the trainer's own weights through the
+Samplers: `vllm` (needs vLLM and a GPU; built last, it keeps its memory), `noise` (the emulated sampler with
+noise 0.02 x each tensor's std: the `is=` cells' stand-in until 2026-12-07), `bfloat16` (the emulated sampler with
+only the weights rounded to bf16 as an inference engine holds them: the matrix's `is=` stand-in, calibrated against
+vLLM with this tool, docs/benchmarks.md), `policy` (the trainer's own weights through the
 harness's decoder: the log-probs the decode itself computes, against the training forward); `noise@0.003` is the
 noise stand-in at another scale, to calibrate it against vLLM's figures.
 

@@ -136,6 +136,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         search.judge.columns.remove("learning_rate")  # (by the search, nor by the confirmation's whole comparison)
         data = dataclasses.replace(data, runs={**data.runs, "yours": data.yours.drop(columns=["learning_rate"])})
     search.settled |= start.settled  # settled by your own tensors: the search leaves them
+    search.extra = candidate_options(start)  # (a stage's candidate no option list holds)
     found = _found(spec, search, start, data, log)
     state, trace, value_only = _searched(search, start, found, log)
     spec_dtype, notes = spec.DTYPE, list(found.notes)
@@ -144,6 +145,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         spec, search, state, trace, data = escalated
         value_only = search.value_only
         notes += float32_notes(search.escalated_from, state.changes, spec_dtype)
+    notes = candidate_notes(notes, start.findings, state.changes, state.agree)
     answer = _answer(search.base, state.changes, start, trace)
     alike, cost = _look_alikes(search, state, yours)
     entry = {"cause": "+".join(sorted(answer.trl) + sorted(answer.quirks)) or "your loop", "fields": sorted(answer.trl),
@@ -250,9 +252,62 @@ def _found(spec, search: Search, start: Start, data, log) -> Found:
             guesses.append(g)
         elif i == 0:
             exact_first = False
+    at = 1 if exact_first else 0
     if start.unsure:  # what the stages read but could not tell from look-alikes: tried first, kept only if it helps
-        guesses.insert(1 if exact_first else 0, start.unsure)
+        guesses.insert(at, start.unsure)
+        at += 1
+    # a rule a stage's steps could not show (the forward stage's: no step it could read at known weights held the
+    # pad id): tried with the unsure readings and alone, after them (at a tie they win), kept only if it helps
+    candidate = candidates(start)
+    if candidate:
+        guesses[at:at] = [g for g in ({**start.unsure, **candidate}, candidate) if g not in guesses]
     return Found(found, tuple(guesses), exact_first, tuple(notes))
+
+
+def candidates(start: Start) -> dict:
+    """What the stages handed on as candidates (evidence["candidate"]), less what your log or tensors settle."""
+    return {k: v for f in start.findings for k, v in f.evidence.get("candidate", {}).items()
+            if k not in start.read and k not in start.settles}
+
+
+def candidate_options(start: Start) -> list:
+    """The stages' candidates as search options, each from the step it can first act at (evidence
+    ["candidate_step"]): a round that needs it with another change finds it in a pair."""
+    from harness.diagnose.search import Option
+
+    out = []
+    for f in start.findings:
+        at = f.evidence.get("candidate_step", 1)
+        out += [Option(k, v, at) for k, v in f.evidence.get("candidate", {}).items()
+                if k not in start.read and k not in start.settles]
+    return out
+
+
+def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> list[str]:
+    """The notes, with what a stage said it could not show and handed on as a candidate (the forward stage's pad id,
+    held by no completion of step 1) said as the search left it: kept (the run needed it), or not kept where the
+    kept set agrees with your loop past the first step it could act at (it would have shown: your loop does not do
+    it); else the stage's words stand (the search stopped before it could act)."""
+    out = list(notes)
+    for f in findings:
+        cand, at = f.evidence.get("candidate"), f.evidence.get("candidate_step")
+        if not cand or not f.unsettled:
+            continue
+        said = f"{f.stage}: this run could not tell: {f.unsettled[0]}"
+        if said not in out:
+            continue
+        what = "; ".join(words(k, v).removeprefix("your loop ") for k, v in cand.items())
+        if all(changes.get(k) == v for k, v in cand.items()):
+            now = (f"{f.stage}, found by the search: your loop {what} (step 1 could not show it: the first step whose "
+                   f"completions hold the id before their end is step {at}; kept, the built-in loop needs it)")
+        elif agree >= at:
+            now = (f"{f.stage}, told by the search: your loop's forward pass is not one that {what.split(' (')[0]} "
+                   f"(without it the built-in loop agrees with your loop through step {agree}, past step {at}, the "
+                   "first whose completions hold the id before their end; step 1's held none)")
+        else:
+            continue
+        out[out.index(said)] = now
+    return out
 
 
 def _searched(search: Search, start: Start, found: Found, log) -> tuple[Trial, list, int | None]:

@@ -254,6 +254,9 @@ class Search:
         self.below_rounding: dict | None = None  # where it stopped because only changes below rounding did better
         self.escalated_from: dict | None = None  # a float32 search: where the bf16 one stopped (in_float32)
         self.settled: set[str] = set()  # fields the tensor diff's exact findings settle: not searched (SETTLES)
+        # candidates a stage handed on that no list of options holds (a forward rule on the pad id step 1 could not
+        # show): offered from the step they can first act at, as any option
+        self.extra: list[Option] = []
         self.value_only: int | None = None  # the step from which the loss is judged out: it differs in value alone
         self._trl: dict[tuple, bool] = {}
         self._saved: dict[Path, tuple[int, dict | None]] = {}  # tensors- folder -> (steps saved, their tensors once read)
@@ -413,7 +416,7 @@ class Search:
         while state.agree < self.steps and len(state.changes) - len(start) < MAX_FIELDS:
             first = state.agree + 1
             current = apply_alignment(self.base, {"set": state.changes})
-            opts = [o for o in options(current, set(self.judge.columns))
+            opts = [o for o in options(current, set(self.judge.columns)) + self.extra
                     if o.acts_from <= first and not set(o.changes()) & (set(state.changes) | self.settled)]
             horizon = min(self.steps, first + LOOKAHEAD)
             here = self.trial(state.changes, horizon, stop_at_parting=True)  # judged as the candidates are

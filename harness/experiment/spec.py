@@ -117,10 +117,11 @@ class SamplerSpec:
     vllm_gpu_memory_utilization: float = _f(0.30, "vLLM colocate: share of GPU memory (the lesson: 0.30). With "
                                             "GPU_MEMORY_GB set, a share of that much memory, as on a card that size.",
                                             min=0.0, min_exclusive=True, max=1.0)
-    vllm_engine: str = _f("per_side", "vLLM colocate: `per_side` (each side's engine: TRL builds its own in a free run, "
-                          "as TRL does, and the built-in loop one per checkpoint) or `shared` (one engine per process "
-                          "for every side that samples in it, TRL's free-run generation included, the weights pushed "
-                          "before each round: what fits a 32 GB card; the default once a GPU run has checked it).",
+    vllm_engine: str = _f("shared", "vLLM colocate: `shared` (one engine per process for every side that samples in "
+                          "it, TRL's free-run generation included, the weights pushed before each round: what fits a "
+                          "32 GB card; checked on an H100 capped to 31.8 GiB, 2026-12-07) or `per_side` (each side's "
+                          "engine: TRL builds its own in a free run, as TRL does, and the built-in loop one per "
+                          "checkpoint; two engines of a 0.3 share each do not fit a 32 GB card beside the trainer).",
                           choices=("per_side", "shared"))
     vllm_sleep: bool = _f(False, "vLLM colocate: TRL's vllm_enable_sleep_mode. The engine gives back its weights and "
                           "KV cache after each generation (vLLM's sleep level 2) and takes them back before the next, "

@@ -165,9 +165,9 @@ class VLLMSampler:
     returned for the IS correction. One engine per process, shared by every side that samples in it: the runs of a
     matrix (scratch runs, re-runs) and, with `vllm_engine = "shared"`, TRL's own generation in a free run (trl_runner
     puts this sampler where TRL would build its engine), each pushing its own weights before it samples, so a shared
-    engine is keyed by the model's shape, not by the checkpoint it was built from (`per_side`, the default until a GPU
-    run checks `shared`: by the checkpoint, and TRL builds its own engine in a free run); each request carries its
-    own seed (`request_seeds`), so an engine's history does not change a run's draws. Its memory is
+    engine is keyed by the model's shape, not by the checkpoint it was built from (the default since a GPU run
+    checked it within 31.8 GiB; `per_side`: by the checkpoint, and TRL builds its own engine in a free run); each
+    request carries its own seed (`request_seeds`), so an engine's history does not change a run's draws. Its memory is
     `vllm_gpu_memory_utilization` of the card, or of GPU_MEMORY_GB when set (as on a card that size); with
     `vllm_sleep` (TRL's vllm_enable_sleep_mode) it gives its weights and KV cache back between generations (sleep
     level 2, as TRL does)."""

@@ -45,6 +45,8 @@ def answer_of(picked: dict[str, str], seed: int) -> dict:
         cannot_show += [list(x) for x in part.get("cannot_show", [])]
         unsure += part.get("unsure", [])
         logged += [list(x) for x in part.get("logged", [])]
+    if picked["selection"] == "group_per_step" and "LOSS_DIVISOR" in quirks:  # the sum over the step's completions:
+        quirks["LOSS_DIVISOR"] = 4.0  # one group of 4 (template: GROUP_SIZE 4), not a round's 16
     moot = []  # drawn, but with no effect on this loop by construction: nothing to name
     acts = {"adv_extra=drop_zero_adv": picked["agg"] in ("dapo", "bnpo_in_order") or picked["kl"] != "none"}
     if picked["forward"] == "ce_ignore_pad" and picked["mask"] == "ids_ne_pad":  # the pad id is out of the loss

@@ -79,7 +79,7 @@ def advantages(rewards):
 
 step_losses = []
 for step in range(STEPS):
-    r, it = divmod(step, PASSES)
+{round_of_step}
     if it == 0:  # a new round: its completions, rewards and advantages
         model.eval()
         batch = parity.rollout(r) or sample_round(r)  # parity
@@ -184,6 +184,11 @@ return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsque
 logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1] / TEMPERATURE
 ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=PAD, reduction="none")
 return -ce  # a pad id in a completion scores 0 (and still counts in the loss below)"""
+    elif f == "pad_id_attention":  # the mask from the ids: a pad id sampled inside a completion is hidden too
+        body = """
+attention = (ids != PAD).long()
+logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
+return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)"""
     elif f == "logits_bf16":
         body = """
 logits = net(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1]
@@ -222,7 +227,19 @@ def _advantages(p: dict) -> str:
     return _indent("\n".join(lines), 4)
 
 
+def _round_of_step(p: dict) -> str:
+    if p["selection"] == "group_per_step":  # one prompt group per step: the step's rows each step
+        return _indent("""
+r, g = divmod(step, PROMPTS)  # round r, its group g
+it = 0""", 4)
+    return _indent("r, it = divmod(step, PASSES)", 4)
+
+
 def _selection(p: dict) -> str:
+    if p["selection"] == "group_per_step":
+        return _indent("""
+rows = rows[g * G:(g + 1) * G]  # one prompt group per optimizer step: a round over PROMPTS steps
+parity.trained(step + 1, [(r, i) for i in rows])  # parity""", 8)
     if p["selection"] != "skip_flat_groups":
         return ""
     return _indent("""
@@ -311,6 +328,7 @@ def render(p: dict, seed: int) -> str:
         seed=seed, drawn=drawn, constants=_constants(p), ref=ref, optimizer=_optimizer(p), sched_args=_sched_args(p),
         forward=_forward(p), advantages=_advantages(p), selection=_selection(p), loss_mask=_loss_mask(p),
         old_logps=_old_logps(p), old_of_mb=_old_of_mb(p), kl=_kl(p), aggregate=_aggregate(p),
+        round_of_step=_round_of_step(p),
         loss_logged=_indent(loss_logged, 8), lr_logged=_indent(lr_logged, 4) if lr_logged else "",
         clip_norm={"1.0": "1.0", "none": "math.inf", "0.5": "0.5"}[p["grad_clip"]],
         reward_weights=weights[p["reward_weights"]], PAD_ID=PAD_ID)

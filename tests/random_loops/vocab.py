@@ -13,6 +13,8 @@ Surveyed from the loops' own code and TRL's options, not from the harness's expl
 - OpenRLHF: group_norm advantages, token mean over the step, cosine schedule with a floor (min_lr 0.1x), lr logged after
   the scheduler stepped.
 - NeMo-RL / RLOO: a leave-one-out baseline. open-instruct: a mask built from `ids != pad_id`, flat groups filtered.
+- align-anything: one prompt group per optimizer step, an attention mask `ids != pad_id` (a sampled pad id hidden
+  from the tokens after it, kept in the loss).
 - tiny-grpo: pad = eos, attention mask `ids != pad`, positions over the mask, eos out of the loss, std + 1e-8.
 - nano-aha-moment / nanochat: torch AdamW defaults, no gradient clipping, a linear decay over a horizon.
 - Loops seen by issue 47: a second normalisation of the advantages over loss tokens, advantages clamped, group
@@ -88,7 +90,10 @@ STAGES: dict[str, list] = {
            unsure=["TRUNCATED_IF"]),  # `EOS in ids`: one ending in a sampled pad id is out too (TRL: ended)
     ],
     "forward": [
-        _c("padding_mask", 85),
+        _c("padding_mask", 85 - 5 / 1.8),  # (pad_id_attention's weight taken from here, the default's boost undone:
+        # every other seed draws as before)
+        # align-anything, open-instruct: `attention_mask = ids != pad_id`, a sampled pad id hidden from later tokens
+        _c("pad_id_attention", 5, quirks={"ATTENTION_HIDE_ID": PAD_ID}),
         _c("eos_out_of_attention", 7, quirks={"EOS_ATTENTION": "mask"}),
         _c("ce_ignore_pad", 4, quirks={"LOGP_ZERO_ID": PAD_ID}),  # the built-in loop's switch since the forward stage
         _c("logits_bf16", 4, quirks={"LOGITS_DTYPE": "bfloat16"}),  # the built-in loop's switch since round 2
@@ -173,7 +178,10 @@ STAGES: dict[str, list] = {
         _c("after_scheduler_step", 15),  # a step ahead (OpenRLHF); the table is the same
     ],
     "selection": [
-        _c("whole_round", 88),
+        _c("whole_round", 88 - 6 / 1.8),  # (group_per_step's weight taken from here: every other seed draws as before)
+        # align-anything: one prompt group per optimizer step (a round over PROMPTS steps), each step on the current
+        # policy (the ratio 1 against its own log-probs: TRL keeps the round's, the built-in loop's LOGP_OLD)
+        _c("group_per_step", 6, quirks={"SELECTION": "<trained.jsonl>", "LOGP_OLD": "current"}),
         _c("skip_flat_groups", 12, quirks={"SELECTION": "<trained.jsonl>"}),
     ],
     "loss_logged": [
@@ -201,6 +209,8 @@ REQUIRES = {
     ("adv_extra", "range_scale"): {"adv_scale": "none"},  # the range in place of a std
     ("adv_extra", "float16_stats"): {"std_eps": "1e-4"},  # a smaller epsilon is 0 in float16: 0 / 0 in a flat group
     ("selection", "skip_flat_groups"): {"passes": "1", "agg": "grpo", "adv_extra": "none"},
+    # (advantages over the round, a second normalisation over the step's tokens: the built-in loop's is the round's)
+    ("selection", "group_per_step"): {"passes": "1", "adv_extra": "none"},
     ("agg", "bnpo_in_order"): {"selection": "whole_round"},
     # the broadcast's loss is Atropos' own: -ratio per token (no clip, no KL), one pass (the ratio is 1)
     ("agg", "mean_advantage_broadcast"): {"kl": "none", "passes": "1"},

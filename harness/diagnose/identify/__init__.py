@@ -21,7 +21,9 @@ up to each completion's length where said), reachable here as `identify.<name>`:
     mask.py        mask(mask_rows, completion_ids, eos_ids, ...)     which tokens count in the loss, as a rule on
                                                                      token features (id, eos, position, truncation)
     forward.py     forward(logps, prompts, completions, score, ...)  what the forward pass sees: step 1's log-probs
-                                                                     scored again at the initial weights under
+                                                                     (or a later step's reference log-probs, where
+                                                                     step 1 holds no pad id) scored again at the
+                                                                     initial weights under
                                                                      candidate rules (ids hidden from attention,
                                                                      positions, an id's log-prob 0, a completion's
                                                                      end, raw logits, dtype)
@@ -235,9 +237,10 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
     read from one group can). Steps that read other rules leave it unsettled, each said."""
     if not cands:
         return None
+    read_ = [f for f in cands if f.exact and f.readable]
     best = min(cands, key=lambda f: (not f.readable, not f.exact, stage == "mask" and f.same_as_spec,
-                                     -len(f.settings) if stage == "mask" else 0, len(f.unsettled), -len(f.settles),
-                                     f.step or 0))
+                                     -len(f.settings) if stage == "mask" else 0, _blind(f, read_), len(f.unsettled),
+                                     -len(f.settles), f.step or 0))
     logged = next((f for f in cands if f.evidence.get("logged_without_kl") and f.settings == best.settings), None)
     if logged and logged is not best:
         best = dataclasses.replace(best, rule=logged.rule)
@@ -249,17 +252,43 @@ def pick(stage: str, cands: list[Finding]) -> Finding | None:
         best = dataclasses.replace(best, settles=(), unsettled=best.unsettled + (
             f"other steps read otherwise ({said}): the search decides",))
     # (what a step could not see served the comparison across steps only)
-    if "unseen" not in best.evidence:
+    if not {"unseen", "kl_below", "look_alikes"} & set(best.evidence):
         return best
-    return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items() if k != "unseen"})
+    return dataclasses.replace(best, evidence={k: v for k, v in best.evidence.items()
+                                               if k not in ("unseen", "kl_below", "look_alikes")})
+
+
+_KL_FIELDS = ("BETA", "KL_ESTIMATOR", "KL_IS_CORRECTION")
+
+
+def _unseen(f: Finding, other: Finding) -> set:
+    """The fields reading `f` could not see of what `other` reads: those its step leaves unseen (a KL term 0 in value,
+    its reference the policy), and a KL term `other` reads whose weight is below what f's step could show (its KL
+    term below its own resolution: evidence["kl_below"], per estimator)."""
+    unseen = set(f.evidence.get("unseen", ()))
+    kl, below = other.evidence.get("kl"), f.evidence.get("kl_below")
+    if kl and below and kl[1] < below.get(kl[0], 0.0):
+        unseen |= set(_KL_FIELDS)
+    return unseen
+
+
+def _blind(f: Finding, read_: list[Finding]) -> bool:
+    """Whether another exact reading sets a field that `f`'s step could not see (a KL weight read where the
+    reference is apart enough to show it): that reading says more, and is said (the steps that could not see it do
+    not outvote it)."""
+    return any(set(g.settings) & _unseen(f, g) for g in read_ if g is not f)
 
 
 def _differ(f: Finding, best: Finding) -> bool:
     """Whether two readings of a stage say otherwise on a field both could see (a step where the KL term is 0 in
-    value, its reference the policy, says nothing of its weight: evidence["unseen"])."""
-    unseen = set(f.evidence.get("unseen", ())) | set(best.evidence.get("unseen", ()))
+    value, its reference the policy, or below what the step can resolve, says nothing of its weight)."""
+    unseen = _unseen(f, best) | _unseen(best, f)
     mine = {k: v for k, v in f.settings.items() if k not in unseen}
-    return mine != {k: v for k, v in best.settings.items() if k not in unseen}
+    theirs = {k: v for k, v in best.settings.items() if k not in unseen}
+    # a step whose readings give the same number cannot tell them apart (evidence["look_alikes"]): one of them read
+    # elsewhere is no contradiction
+    return mine != theirs and theirs not in f.evidence.get("look_alikes", ()) and \
+        mine not in best.evidence.get("look_alikes", ())
 
 
 def _could_not_show(f: Finding, best: Finding) -> bool:

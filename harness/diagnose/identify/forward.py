@@ -13,6 +13,11 @@ before its update), so the completions can be scored again under candidate forwa
   another compute dtype (DTYPE: only at that dtype's own rounding); where none of these fits, the weights themselves
   loaded in bfloat16 (MASTER_WEIGHTS, a second model: a loop that loads its model in bf16), the log_softmax on the
   bf16 logits such a model returns or after a cast to float32.
+Step 1 may hold no pad id before a completion's end (a loop that trains one prompt group per step): then the first
+later step whose completions hold one is read from your reference log-probs there, which are the initial weights'
+where your loop saves them (a KL to the initial model) and every row without the pad id is TRL's rule's; without
+them the weights there are not known before the search, and hiding the pad id is handed to it as a candidate
+(`beyond_step_1`).
 Which tokens the loss counts is the mask stage's (it reads completions ended as found here). The rule that
 reproduces your log-probs with the fewest switches is the finding; the others that reproduce them as well are said
 as what the run could not tell. Nothing is scored where your log-probs already agree with TRL's rule (one pass), and
@@ -45,11 +50,13 @@ class Rule:
                 **({"END_AT_ID": self.end} if self.end >= 0 else {})}
 
 
-def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -> Finding | None:
+def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1,
+            what: str = "your log-probs") -> Finding | None:
     """Your log-probs `saved` (one row per completion, read up to its length) against `score(settings)` (the
     completions scored at the initial weights under the built-in loop's forward switches, one list per row): None
     where TRL's rule reproduces them; else the rule that does with the fewest switches, said with its look-alikes,
-    or that none does."""
+    or that none does. `what`: what `saved` is, in the words said (your reference model's log-probs at a later
+    step: the initial weights' too)."""
     tol = TOLERANCE.get(getattr(spec, "DTYPE", "float32"), 1e-4)
     mine = [[float(x) for x in row[:len(c)]] + [float("nan")] * (len(c) - len(row)) for row, c in
             zip(saved, completions)]
@@ -86,9 +93,9 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -
     if not exact:
         closest = min(fits, key=lambda x: x[1])
         said = _said(closest[0].settings) or "TRL's"
-        return Finding("forward", step, f"your loop's log-probs at step {step} differ from TRL's in {rows} of "
-                       f"{len(mine)} rows, and no forward rule tried reproduces them (closest: {said}, "
-                       f"{closest[1]:.3g} off)", {}, False, no_switch=True, evidence=ev)
+        return Finding("forward", step, f"{what.replace('your ', 'your loop' + chr(39) + 's ', 1)} at step {step} "
+                       f"differ from TRL's in {rows} of {len(mine)} rows, and no forward rule tried reproduces them "
+                       f"(closest: {said}, {closest[1]:.3g} off)", {}, False, no_switch=True, evidence=ev)
     best, fit, uncompared = exact[0]
     alike = [r for r, _, u in exact[1:] if u == uncompared and len(r.settings) == len(best.settings)
              and r.settings != best.settings]  # (one rule scored two ways is no look-alike of itself)
@@ -97,7 +104,7 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1) -
                       for r in alike[:3])
     ids = [best.settings.get(k) for k in ("ATTENTION_HIDE_ID", "LOGP_ZERO_ID", "END_AT_ID")]
     pad = f" ({pad_id} is the pad token's id)" if pad_id is not None and pad_id in ids else ""
-    return Finding("forward", step, f"your loop {_said(best.settings)}{pad}: it reproduces your log-probs at step {step} "
+    return Finding("forward", step, f"your loop {_said(best.settings)}{pad}: it reproduces {what} at step {step} "
                    f"({rows} of {len(mine)} rows part from TRL's; {fit:.2g} off)", best.settings, True,
                    unsettled=unsettled, evidence={**ev, "alike": [r.settings for r in alike]}, settles=settles)
 
@@ -189,7 +196,7 @@ def _fit(mine, theirs, completions, rule: Rule, tol: float) -> tuple[float, int]
 
 def read(cell, earlier: dict) -> list[Finding]:
     """Your forward pass, from the log-probs your loop saved at step 1 (the initial weights'): [] where it saved
-    none, or where TRL's rule reproduces them."""
+    none, or where TRL's rule reproduces them and no later step could show more (`beyond_step_1`)."""
     first = next((s for s in steps(cell) if s.step == 1 and _rows_of(s.tensors.get("logps"), len(s.completions))),
                  None)
     if first is None or any("prompt_ids" not in cell.records[r] for r, _ in first.rows[:1]):
@@ -197,7 +204,92 @@ def read(cell, earlier: dict) -> list[Finding]:
     prompts = [cell.records[r]["prompt_ids"][i] for r, i in first.rows]
     found = forward(first.tensors["logps"], prompts, first.completions, _scorer(cell, prompts, first.completions),
                     cell.spec, cell.pad_id, tuple(cell.eos_ids))
+    if found is None:
+        found = beyond_step_1(cell, first)
     return [found] if found is not None else []
+
+
+def shows_id(completions, token: int) -> bool:
+    """Whether a forward rule on `token` can act on these completions: the token stands inside one, before its last
+    token (a later token to hide it from, a completion to end early; its log-prob scored at all)."""
+    return any(token in c[:-1] for c in completions)
+
+
+def beyond_step_1(cell, first) -> Finding | None:
+    """TRL's rule reproduces step 1, but no completion of step 1 holds the pad id inside it, so no rule on the pad id
+    could show there (a loop trained on part of a round per step, one prompt group, say). The first later step whose
+    completions hold it is read where its weights are known:
+    - your reference model's log-probs at that step, where your loop saves them and they are the initial weights'
+      (every row without the pad id is TRL's rule's at the initial weights): read as step 1's are;
+    - else none is known before the search: what step 1 could not show is said, and hiding the pad id from attention
+      (the commonest such rule: an attention mask built as `ids != pad_id`) is handed to the search as a candidate
+      (evidence["candidate"]: tried first, kept only where it helps).
+    None where no step's completions hold the pad id inside them, or step 1's do (it read TRL's rule there)."""
+    pad = cell.pad_id
+    if pad is None or pad < 0 or pad in tuple(cell.eos_ids) or shows_id(first.completions, pad):
+        return None
+    last = getattr(cell.spec, "STEPS", 0) or max((cell.trained or cell.tensors or {1: None}).keys())
+    at = next((s for s in range(2, last + 1) if shows_id(_completions_at(cell, s), pad)), None)
+    if at is None:
+        return None
+    later = next((s for s in steps(cell) if s.step == at), None)  # (its saved tensors, where it saved them)
+    ref = later.tensors.get("ref_logps") if later is not None else None
+    if _rows_of(ref, len(later.completions)) and all("prompt_ids" in cell.records[r] for r, _ in later.rows):
+        prompts = [cell.records[r]["prompt_ids"][i] for r, i in later.rows]
+        score = _cached(_scorer(cell, prompts, later.completions))
+        if _initial(ref, later.completions, score({}), pad, getattr(cell.spec, "DTYPE", "float32")):
+            found = forward(ref, prompts, later.completions, score, cell.spec, pad, tuple(cell.eos_ids),
+                            step=later.step, what="your reference model's log-probs (the initial weights')")
+            if found is None:  # TRL's rule reproduces them where the pad id stands: no rule on it
+                return None
+            if found.exact:
+                return dataclasses.replace(found, rule=f"{found.rule}; step 1's completions hold no pad id before "
+                                           "their end, so step 1 could not show it", evidence={**found.evidence,
+                                                                                          "read_from": "ref_logps"})
+            # no rule reproduces them: a forward pass of its own, or a reference that is not the initial weights
+            # (where every row holds the pad id, none checks it): nothing is claimed, the candidate goes on
+    candidate = {"ATTENTION_HIDE_ID": pad}
+    return Finding("forward", 1, "your loop's log-probs at step 1 are TRL's rule's", {}, True, same_as_spec=True,
+                   unsettled=(f"no completion of step 1 holds the pad id ({pad}) before its end, so a forward rule on "
+                              f"it could not show there (the first step whose completions do is step {at}, "
+                              "and its weights are known only once the steps before it are reproduced): whether "
+                              f"your loop {_said(candidate)} is tried first by the search, kept only where it "
+                              "helps",),
+                   evidence={"candidate": candidate, "candidate_step": at})
+
+
+def _completions_at(cell, step: int) -> list:
+    """The completions step `step` trains on, saved tensors or not: the rows your loop's selection names
+    (cell.trained), else the round the step trains on (NUM_ITERATIONS steps a round); [] where the recording does
+    not hold them."""
+    records = cell.records
+    picks = (cell.trained or {}).get(step)
+    if picks is not None:
+        return [records[r]["completion_ids"][i] for r, i in picks if r < len(records)]
+    r = (step - 1) // max(1, getattr(cell.spec, "NUM_ITERATIONS", 1))
+    return list(records[r]["completion_ids"]) if r < len(records) else []
+
+
+def _cached(score):
+    """`score`, each rule's pass made once."""
+    seen: dict = {}
+
+    def cached(settings: dict):
+        key = tuple(sorted(settings.items()))
+        if key not in seen:
+            seen[key] = score(settings)
+        return seen[key]
+
+    return cached
+
+
+def _initial(saved, completions, trl, pad: int, dtype: str) -> bool:
+    """Whether log-probs `saved` are the initial weights' under TRL's rule (`trl`) in every row that holds no `pad`
+    before its end (rows a rule on it cannot touch): True also where every row holds one (nothing refutes it), False
+    where an untouched row differs (a reference that moved, or another model)."""
+    tol = TOLERANCE.get(dtype, 1e-4)
+    untouched = [(row, t, c) for row, t, c in zip(saved, trl, completions) if not shows_id([c], pad)]
+    return all(abs(float(a) - b) <= tol for row, t, c in untouched for a, b in zip(row[:len(c)], t))
 
 
 def pass_rules(s, eos_ids) -> dict:

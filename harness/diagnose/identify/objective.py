@@ -5,6 +5,7 @@ sampler generated."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -86,9 +87,27 @@ def objective(per_token_loss, adv, logps, mask_rows, lengths, old_logps=None, re
     # a KL term 0 in value here (the reference is the policy, or none saved): this step cannot contradict another's
     unseen = ("BETA", "KL_ESTIMATOR", "KL_IS_CORRECTION") if kl is None and (
         ref is None or not np.any(np.abs(ref - lp) > 1e-6)) else ()
+    # no KL term read where the reference is apart: the weights it could not have shown (a KL read at another step
+    # with a smaller weight is no contradiction: identify.pick)
+    below = kl_resolution(lp, ref, ratio, tol) if kl is None and ref is not None and not unseen else None
     return Finding("objective", step, rule, settings, True, same_as_spec=not settings and form == "ratio",
                    unsettled=tuple(unsettled), settles=settles + is_settles,
-                   evidence={"form": form, **({"kl": kl} if kl else {}), **({"unseen": unseen} if unseen else {})})
+                   evidence={"form": form, **({"kl": kl} if kl else {}), **({"unseen": unseen} if unseen else {}),
+                             **({"kl_below": below} if below else {})})
+
+
+def kl_resolution(lp, ref, ratio, tol) -> dict[str, float]:
+    """For each KL estimator, the smallest weight whose term would leave some counted token's per-token loss beyond
+    its tolerance at this step (with or without TRL's factor of the policy ratio, the larger term): min over tokens
+    of tol / |KL|; inf where the estimator is 0 at every token (the reference is the policy). A step whose loss holds
+    no KL term says nothing against a KL of a smaller weight read at another step: it could not show there."""
+    out = {}
+    for est in ("k1", "k2", "k3"):
+        k = _kl(np.asarray(lp, dtype=np.float64), np.asarray(ref, dtype=np.float64), est)
+        k = np.maximum(np.abs(k), np.abs(k * np.asarray(ratio, dtype=np.float64)))
+        live = k > 0
+        out[est] = float(np.min(np.broadcast_to(tol, k.shape)[live] / k[live])) if np.any(live) else math.inf
+    return out
 
 
 def _kl_fit(resid, lp, ref, ratio, tol):
@@ -149,9 +168,8 @@ def _kl_term(kl, spread: float, ratio, lp, ref, tol) -> tuple[list, dict, list]:
     elif ref is not None and np.any(np.abs(ref - lp) > 1e-6):
         words.append("saves a per-token loss with no KL term in it, though it saves reference log-probs (a KL "
                      "aggregated apart, or none)")
-        k3 = np.abs(_kl(lp, ref, "k3")).max()
-        unsettled.append(f"a KL weight below about {float(np.max(tol)) / max(k3, 1e-30):.2g} would not show at this "
-                         "step (the reference is that close to the policy)")
+        unsettled.append(f"a KL weight below about {kl_resolution(lp, ref, ratio, tol)['k3']:.2g} would not show at "
+                         "this step (the reference is that close to the policy)")
     elif ref is not None:
         unsettled.append("the reference model's log-probs equal the policy's at this step (it starts from them): a "
                          "KL term is 0 in value here")

@@ -63,22 +63,35 @@ def weighting(per_token_loss, mask_rows, loss: float, lengths, grad_accum: int, 
             alike = list(dict.fromkeys(k for k, _ in hits if k != spec_norm))
             return Finding("weighting", step, f"your loop {names[spec_norm]}, as the spec's loss type does", {}, True,
                            same_as_spec=True, unsettled=(f"{', '.join(alike)} give the same number at this step",)
-                           if alike else (), settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"))
+                           if alike else (), settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"),
+                           evidence=_alike_evidence(alike, spec))
         k, f = hits[0]
         said = names[k] + (f", and what it logs is the mean of its {f} micro-batches' losses" if f > 1 else "")
-        settings = {"LOSS_SUM": True} if k == "sum" else {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout"} \
-            if k == "token_local_in_order" else {"LOSS_NORM": k}
-        if spec:
-            settings = {s: v for s, v in settings.items() if not _same(getattr(spec, s, None), v)}
+        settings = _settings_of(k, spec)
         alike = list(dict.fromkeys(h for h, _ in hits[1:] if h != k))
         return Finding("weighting", step, "your loop " + said, settings, True,
                        unsettled=(f"{', '.join(alike)} give the same number at this step",) if alike else (),
-                       evidence={"values": values, "logged_mean_of_micro_batches": f > 1},
+                       evidence={"values": values, "logged_mean_of_micro_batches": f > 1,
+                                 **_alike_evidence(alike, spec)},
                        settles=() if alike else ("LOSS_NORM", "LOSS_SUM", "MICRO_BATCH_ORDER"))
     if abs(total) < 1e-3 * max(float(np.abs(sums).sum()), 1e-30) or loss == 0:
         return Finding("weighting", step, "cannot be read: the masked per-token losses sum to nearly 0 or the loss "
                        "is 0", {}, False, readable=False)
     return _divisor(total, loss, counts, lengths, n, max_tokens, grad_accum, step)
+
+
+def _settings_of(kind: str, spec) -> dict:
+    """The built-in loop's fields for loss type `kind` (less what the spec already sets so)."""
+    settings = {"LOSS_SUM": True} if kind == "sum" else {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout"} \
+        if kind == "token_local_in_order" else {"LOSS_NORM": kind}
+    return {k: v for k, v in settings.items() if not _same(getattr(spec, k, None), v)} if spec else settings
+
+
+def _alike_evidence(alike: list, spec) -> dict:
+    """The loss types that give the same number at this step, as the settings each would read ({"look_alikes": [...]}, or
+    {} where none does): a step that cannot tell them apart says nothing against another step that reads one of them
+    (identify.pick)."""
+    return {"look_alikes": [_settings_of(k, spec) for k in alike]} if alike else {}
 
 
 def _divisor(total: float, loss: float, counts, lengths, n: int, max_tokens: int, grad_accum: int, step) -> Finding:
