@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -405,6 +406,18 @@ def test_a_bfloat16_update_bounds_the_rate_by_hand():
     assert lo > hi  # refuted
     assert bf16_rate_interval([1.0], [1 - 2 ** -8], [-1.0], slack=0.0)[1] < 0  # moved against its direction
     assert bf16_rate_interval([1.0], [1.0], [0.0]) is None  # no direction: nothing bounds the rate
+
+
+def test_bf16_adams_direction_error_bound_by_hand():
+    """One weight, gradients 1 then -0.9, betas (0.9, 0.999), no clipping: m_1 = 0.1, rounded once (U = 2^-8 of it);
+    v_1 = 0.001, a multiply of 0 and an add (U of it); the direction's bound U + U / 2 (the root halves v's) + 3 U for
+    the root, the divide and the epsilon: 4.5 U. At step 2 m = 0.9 x 0.1 - 0.1 x 0.9 = 0 cancels: its carried error
+    (0.9 x U x 0.1) is all there is, so the direction bounds nothing (1)."""
+    from harness.diagnose.identify.optimizer import BF16_U, bf16_adam_dirs
+
+    (d1, rel1), (_d2, rel2) = bf16_adam_dirs([np.array([1.0]), np.array([-0.9])], [1.0, 0.9], 0.9, 0.999, 0.0, 0.0)
+    assert d1[0] == pytest.approx(1.0) and rel1[0] == pytest.approx(4.5 * BF16_U)
+    assert rel2[0] == 1.0
 
 
 def test_optimizer_on_bfloat16_weights_reads_the_rate_the_rounding_allows():

@@ -398,8 +398,8 @@ def read(cell, earlier: dict) -> list[Finding]:
 # ---------------------------------------------------------------------------------------------
 # weights held in bfloat16: every update rounded to the weight's bf16 spacing
 # ---------------------------------------------------------------------------------------------
-BF16_SLACK = 2 ** -7  # Adam's direction as a bf16 optimizer computes it (its moments held in bf16, each rounded to
-# 2^-9 relative): within this relative margin of the float64 direction the reading works with
+BF16_SLACK = 2 ** -7  # the least relative margin on Adam's direction as a bf16 optimizer computes it
+BF16_U = 2 ** -8  # a bound on one bf16 rounding, relative (2^-9 to nearest; twice it, for the op's own float32 math)
 
 
 def held_in_bfloat16(p: _Probed) -> bool:
@@ -414,7 +414,8 @@ def held_in_bfloat16(p: _Probed) -> bool:
 
 def bf16_rate_interval(before, after, direction, slack: float = BF16_SLACK) -> tuple[float, float] | None:
     """The learning rates lr >= 0 under which every bf16 weight `before`, stepped by -lr x `direction` (Adam's
-    update direction, known to a relative `slack`) and rounded to bf16, gives `after`: (lo, hi), lo > hi where no
+    update direction, known to a relative `slack`, one for all or one per element) and rounded to bf16, gives
+    `after`: (lo, hi), lo > hi where no
     rate does; None where no element has a direction. Each element bounds the rate: the exact value before - lr x d
     must lie in the cell of values that round to `after` (numerics.bfloat16_cell), so lr x |d| lies in
     sign(d) x [before - hi, before - lo]; an element that did not move gives an upper bound alone, one that moved k
@@ -425,6 +426,7 @@ def bf16_rate_interval(before, after, direction, slack: float = BF16_SLACK) -> t
     if not np.any(on):
         return None
     sign, size = np.sign(d[on]), np.abs(d[on])
+    slack = np.broadcast_to(np.asarray(slack, dtype=np.float64), d.shape)[on]
     a1, a2 = sign * (b[on] - cell_hi[on]), sign * (b[on] - cell_lo[on])
     need_lo, need_hi = np.minimum(a1, a2), np.maximum(a1, a2)  # lr x |d| within [need_lo, need_hi]
     lo = np.maximum(need_lo / np.where(need_lo > 0, size * (1 + slack), size * (1 - slack)), 0.0)
@@ -432,10 +434,39 @@ def bf16_rate_interval(before, after, direction, slack: float = BF16_SLACK) -> t
     return float(np.max(lo)), float(np.min(hi))
 
 
+def bf16_adam_dirs(grads, norms, beta1, beta2, eps, max_norm) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Adam's update direction at each step, as _adam_dirs, with a bound on its relative error where the moments are
+    held in bfloat16 (torch's AdamW on bf16 parameters keeps exp_avg and exp_avg_sq in their dtype): each update of
+    a moment rounds it (BF16_U of its size; the second moment twice, a multiply then an add), and an error carried
+    from earlier steps shrinks with beta but not with the moment itself, so where m nearly cancels (a gradient that
+    turns) its relative error is large. [(direction, relative error bound)] per step."""
+    m = np.zeros_like(grads[0])
+    v = np.zeros_like(grads[0])
+    em, ev = np.zeros_like(m), np.zeros_like(v)  # absolute error bounds of the bf16 moments
+    out = []
+    for t, (g, nrm) in enumerate(zip(grads, norms), 1):
+        c = 1.0 if not max_norm or not math.isfinite(max_norm) else min(1.0, max_norm / (nrm + 1e-6))
+        g = g * c
+        eg = BF16_U * np.abs(g) if c < 1.0 else 0.0  # (clip_grad_norm_ scales the bf16 gradient in place)
+        m = beta1 * m + (1 - beta1) * g
+        em = beta1 * em + (1 - beta1) * eg + BF16_U * np.abs(m)
+        v_old, v = v, beta2 * v + (1 - beta2) * g * g
+        ev = beta2 * ev + (1 - beta2) * 2 * np.abs(g) * eg + BF16_U * (beta2 * v_old + v)
+        m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
+        root = np.sqrt(v_hat)
+        d = m_hat / (root + eps)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = em / np.abs(m) + 0.5 * ev / np.maximum(v, 1e-300) * root / (root + eps) + 3 * BF16_U
+        out.append((d, np.where(np.isfinite(rel), np.maximum(rel, BF16_SLACK), 1.0)))
+    return out
+
+
 def _bf16_intervals(p: _Probed, b1, b2, eps, clip) -> list[tuple[float, float] | None]:
-    """Per probed step, the rate interval of Adam with these settings (None where the step had no gradient)."""
-    dirs = _adam_dirs(p.grads, p.norms, b1, b2, eps, clip)
-    return [bf16_rate_interval(b, a, d) for b, a, d in zip(p.before, p.after, dirs)]
+    """Per probed step, the rate interval of Adam with these settings (None where the step had no gradient); an
+    element whose direction is known to no better than half of itself (a first moment that all but cancels) bounds
+    nothing."""
+    return [bf16_rate_interval(b, a, np.where(rel < 0.5, d, 0.0), rel)
+            for b, a, (d, rel) in zip(p.before, p.after, bf16_adam_dirs(p.grads, p.norms, b1, b2, eps, clip))]
 
 
 def _fits(intervals) -> bool:
