@@ -3,9 +3,10 @@
 At a ratio of 1 with advantages centred in each group, a mean over completions is 0 whatever it is divided by and
 whatever advantage each completion is weighted with: the weighting stage reads the loss's value, and there it can
 tell neither. Step 1 is taken at the initial weights (every side starts from PARITY_INIT; so is a later step where
-every step before it had no gradient), and the contract's `Probe` saves a slice of its gradient before clipping. At a ratio of 1 (no clip acts, a k2 or k3 KL has no
-gradient there) the per-token loss is -A x ratio, and its gradient is linear in the per-token coefficients: a loss
-whose coefficient is one number per completion gives, on the probed slice,
+every step before it had no gradient), and the contract's `Probe` saves a slice of its gradient before clipping. At
+a ratio of 1 (no clip acts, a k2 or k3 KL has no gradient there) the per-token loss is -A x ratio, and its gradient
+is linear in the per-token coefficients: a loss whose coefficient is one number per completion gives, on the probed
+slice,
 
     G = sum_i w_i g_i,     g_i the gradient of completion i's mean log-prob over the tokens its mask counts,
 
