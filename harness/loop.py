@@ -155,11 +155,7 @@ class Probe:
         named = [(n, p) for n, p in model.named_parameters() if getattr(p, "requires_grad", True)]
         if len(named) > max(max_params, 1):
             named = [named[round(i * (len(named) - 1) / max(max_params - 1, 1))] for i in range(max(max_params, 1))]
-        self.picks = []
-        for name, p in named:
-            n = int(p.numel())
-            k = min(per_param, n)
-            self.picks.append((name, p, sorted({i * n // k for i in range(k)})))
+        self.picks = [(name, p, probe_indices(int(p.numel()), per_param)) for name, p in named]
         if steps is None:
             steps = max(4, int(spec().get("loop", {}).get("tensor_steps", 2)))
         self.steps, self._pending = steps, None
@@ -188,6 +184,13 @@ class Probe:
 
         write_row(os.environ["PARITY_TENSORS"], step, {"probe": {**self._pending, "after": self.read()["before"]}})
         self._pending = None
+
+
+def probe_indices(numel: int, per_param: int = 32) -> list[int]:
+    """The flat indices Probe reads of a parameter of `numel` elements: `per_param` evenly spaced (all of a smaller
+    one). The harness finds them again from a probed parameter's size and how many values it saved."""
+    k = min(per_param, numel)
+    return sorted({i * numel // k for i in range(k)})
 
 
 def _values(p, idx: list[int]) -> list[float]:

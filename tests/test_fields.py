@@ -33,3 +33,13 @@ def test_the_values_are_the_built_in_loops_and_every_quirk_is_worded():
     assert set(LOOK_ALIKE) <= set(FIELDS)
     assert words("COMPLETION_MASK", "no_eos") == "your loop leaves each completion's eos token out of the loss (TRL counts it)"
     assert words("REWARD_CLIP", 1.0) == "your loop has REWARD_CLIP = 1.0"  # no words: the field and its value
+
+
+def test_bf16_weights_move_no_grpoconfig_field_beyond_the_bf16_compute_they_need():
+    """MASTER_WEIGHTS = "bfloat16" cannot be set without DTYPE = "bfloat16" (the spec check): alone it is judged with
+    DTYPE set on both sides, so it moves nothing (TRL loads the model as the harness says: the built-in loop's switch),
+    while DTYPE moves TRL's bf16."""
+    base = load_spec(DEFAULT_SPEC)
+    assert trl_moves(base, {"MASTER_WEIGHTS": "bfloat16"}) == {}
+    assert trl_moves(base, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16"}) == {"bf16": True}
+    assert words("MASTER_WEIGHTS", "bfloat16").startswith("your loop holds and steps its weights in bfloat16")

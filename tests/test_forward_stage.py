@@ -252,3 +252,25 @@ def test_a_stages_candidate_is_a_first_guess_and_an_option_from_the_step_it_can_
     assert candidate_options(start) == [Option("ATTENTION_HIDE_ID", 0, 3)]
     for settled in (dc.replace(start, read={"ATTENTION_HIDE_ID": 0}), dc.replace(start, settles=("ATTENTION_HIDE_ID",))):
         assert candidates(settled) == {} and candidate_options(settled) == []
+
+
+@pytest.mark.parametrize("cast, want", [
+    (False, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16", "LOGITS_DTYPE": "bfloat16"}),
+    (True, {"DTYPE": "bfloat16", "MASTER_WEIGHTS": "bfloat16"}),
+])
+def test_a_model_loaded_in_bfloat16_is_read_as_bf16_weights(setup, cast, want):
+    """A loop that loads its model in bf16 (`from_pretrained(..., torch_dtype=torch.bfloat16)`, Atropos' trainer) and
+    scores the bf16 logits it returns as they come (`cross_entropy(model(ids).logits, ...)`), or after a cast to
+    float32: no rule with the spec's float32 weights reproduces its log-probs; the weights loaded in bf16 do."""
+    spec, _model, pad, eos = setup
+    bf16 = load_model(checkpoint_dir(spec), "bfloat16", "cpu").eval()
+    rows = []
+    for p, c in zip(PROMPTS, COMPLETIONS):
+        with torch.no_grad():
+            logits = bf16(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+        logits = logits.float() if cast else logits
+        ce = torch.nn.functional.cross_entropy(logits, torch.tensor(c), reduction="none")
+        rows.append((-ce).float().tolist())
+    f = _read(spec, rows, pad, eos)
+    assert f is not None and f.exact and f.settings == want, f
+    assert set(want) <= set(f.settles), f

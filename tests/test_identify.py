@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -291,9 +292,10 @@ def test_the_sequence_weight_sums_the_whole_completion_not_only_the_tokens_in_th
 
 
 def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, steps: int = 4, linear: bool = False,
-               decay_all: bool = False, scale: float = 1.0, multiplier=None):
+               decay_all: bool = False, scale: float = 1.0, multiplier=None, dtype=torch.float32):
     """A small model trained by torch's AdamW on random gradients, probed as harness.loop.Probe probes (`scale`: its
-    weights' size, against which the updates' rounding goes)."""
+    weights' size, against which the updates' rounding goes; `dtype`: the dtype its weights are held and stepped
+    in)."""
     from harness.loop import Probe
 
     torch.manual_seed(seed)
@@ -310,6 +312,7 @@ def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, 
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(scale)
+    model = model.to(dtype)
     skip = (lambda n: False) if decay_all else (lambda n: "bias" in n or "norm" in n.lower())
     decay = [p for n, p in model.named_parameters() if not skip(n)]
     rest = [p for n, p in model.named_parameters() if skip(n)]
@@ -320,8 +323,8 @@ def _adamw_run(seed: int, lr: float, betas, eps: float, wd: float, clip: float, 
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * (multiplier(step) if multiplier else (1 - step / 10) if linear else 1.0)
-        x = torch.randn(64, 16)
-        loss = (model(x) ** 2).mean() * (1 + step)  # norms that change from step to step
+        x = torch.randn(64, 16).to(dtype)
+        loss = (model(x).float() ** 2).mean() * (1 + step)  # norms that change from step to step
         loss.backward()
         before = probe.read(grads=True)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
@@ -377,6 +380,57 @@ def test_snap_keeps_a_value_known_within_its_uncertainty():
     assert snap(0.0171, 1e-4, (0.0, 0.01, 0.1, 0.02)) == 0.017  # not 0.02: 0.003 away, 30x its uncertainty
     assert snap(0.0199, 1e-3, (0.0, 0.01, 0.1, 0.02)) == 0.02
     assert snap(0.012345, 1e-5, ()) == 0.01235 and snap(0.012345, 1e-3, ()) == 0.012
+
+
+def test_bfloat16_numbers_and_the_cells_that_round_to_them_by_hand():
+    """bf16 keeps 8 significant bits: 1.0's neighbours are 1 - 2^-8 and 1 + 2^-7 (the spacing halves below a power of
+    two), so the values rounding to 1.0 run from 1 - 2^-9 to 1 + 2^-8; 3.0 sits in [2, 4) at spacing 2^-6."""
+    from harness.diagnose.identify.numerics import bfloat16_cell, bfloat16_exact
+
+    lo, hi = bfloat16_cell([1.0, 1 - 2 ** -8, -1.0, 3.0])
+    assert lo.tolist() == [1 - 2 ** -9, 1 - 2 ** -8 - 2 ** -9, -1 - 2 ** -8, 3 - 2 ** -7]
+    assert hi.tolist() == [1 + 2 ** -8, 1 - 2 ** -9, -1 + 2 ** -9, 3 + 2 ** -7]
+    assert bfloat16_exact([1.0, 1 + 2 ** -7, 0.0, -3.0]).all() and not bfloat16_exact([0.1, 1 + 2 ** -9]).any()
+
+
+def test_a_bfloat16_update_bounds_the_rate_by_hand():
+    """Weight 1.0 stepped down by one bf16 spacing to 1 - 2^-8 (direction +1): the exact value 1 - lr lies in the
+    cell [1 - 2^-8 - 2^-9, 1 - 2^-8 + 2^-9], so lr in [2^-9, 3 x 2^-9]; a weight 0.25 left where it was (direction
+    +1) bounds lr by half its spacing below, 2^-11: together no rate does."""
+    from harness.diagnose.identify.optimizer import bf16_rate_interval
+
+    assert bf16_rate_interval([1.0], [1 - 2 ** -8], [1.0], slack=0.0) == (2 ** -9, 3 * 2 ** -9)
+    lo, hi = bf16_rate_interval([0.25], [0.25], [1.0], slack=0.0)
+    assert lo == 0.0 and hi == 2 ** -11
+    lo, hi = bf16_rate_interval([1.0, 0.25], [1 - 2 ** -8, 0.25], [1.0, 1.0], slack=0.0)
+    assert lo > hi  # refuted
+    assert bf16_rate_interval([1.0], [1 - 2 ** -8], [-1.0], slack=0.0)[1] < 0  # moved against its direction
+    assert bf16_rate_interval([1.0], [1.0], [0.0]) is None  # no direction: nothing bounds the rate
+
+
+def test_bf16_adams_direction_error_bound_by_hand():
+    """One weight, gradients 1 then -0.9, betas (0.9, 0.999), no clipping: m_1 = 0.1, rounded once (U = 2^-8 of it);
+    v_1 = 0.001, a multiply of 0 and an add (U of it); the direction's bound U + U / 2 (the root halves v's) + 3 U for
+    the root, the divide and the epsilon: 4.5 U. At step 2 m = 0.9 x 0.1 - 0.1 x 0.9 = 0 cancels: its carried error
+    (0.9 x U x 0.1) is all there is, so the direction bounds nothing (1)."""
+    from harness.diagnose.identify.optimizer import BF16_U, bf16_adam_dirs
+
+    (d1, rel1), (_d2, rel2) = bf16_adam_dirs([np.array([1.0]), np.array([-0.9])], [1.0, 0.9], 0.9, 0.999, 0.0, 0.0)
+    assert d1[0] == pytest.approx(1.0) and rel1[0] == pytest.approx(4.5 * BF16_U)
+    assert rel2[0] == 1.0
+
+
+def test_optimizer_on_bfloat16_weights_reads_the_rate_the_rounding_allows():
+    """torch's AdamW stepping bf16 weights (a model loaded in bf16): most updates at lr 2e-4 round to nothing; the
+    rate is read from the rounded updates (not a least-squares fit of the rounding), with bf16 master weights named
+    and the decay said as what cannot show."""
+    rows, norms = _adamw_run(7, 2e-4, (0.9, 0.999), 1e-8, 0.0, 0.0, steps=4, dtype=torch.bfloat16)
+    f = identify.optimizer(rows, norms, SPEC, steps_total=10)
+    assert f.exact and f.settings.get("MASTER_WEIGHTS") == "bfloat16" and f.settings.get("DTYPE") == "bfloat16", f
+    assert f.settings.get("LR") == 2e-4 and f.settings.get("ADAM_BETA1", SPEC.ADAM_BETA1) == 0.9, f
+    assert any(u.startswith("weight decay cannot show on bfloat16") for u in f.unsettled), f.unsettled
+    rows, norms = _adamw_run(7, 2e-4, (0.9, 0.999), 1e-8, 0.0, 0.0, steps=4)  # the same in float32: no bf16
+    assert "MASTER_WEIGHTS" not in identify.optimizer(rows, norms, SPEC, steps_total=10).settings
 
 
 def test_optimizer_decay_on_every_parameter():

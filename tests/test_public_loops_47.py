@@ -57,8 +57,6 @@ def test_atropos_is_not_claimed_confirmed(atropos):
     assert atropos["status"] != "confirmed", atropos["evidence"]
 
 
-@pytest.mark.xfail(strict=True, reason="advantages: each completion weighted by its micro-batch's mean advantage "
-                                       "((B,) x (B, 1) broadcast) is not named")
 def test_atropos_micro_batch_mean_advantage_is_named(atropos):
     """((-ratio * mask).sum(-1) / mask.sum(-1) * advantages).mean() with advantages (B, 1): each completion of a
     micro-batch of 2 takes the pair's mean advantage. No TRL field and no built-in switch: it must be named as what
@@ -67,8 +65,6 @@ def test_atropos_micro_batch_mean_advantage_is_named(atropos):
     assert "micro-batch" in said and "mean advantage" in said, said
 
 
-@pytest.mark.xfail(strict=True, reason="weighting: a per-sequence mean divided by a constant 32 (not the 8 "
-                                       "micro-batches) is read as TRL's grpo")
 def test_atropos_constant_accumulation_divisor_is_named(atropos):
     """Each micro-batch's loss over gradient_accumulation_steps = 32 while a round holds 8 micro-batches of 2: the
     gradient is 8/32 of grpo's. The weighting stage must not say "as the spec's loss type does"."""
@@ -76,8 +72,6 @@ def test_atropos_constant_accumulation_divisor_is_named(atropos):
     assert "as the spec's loss type does" not in weighting["rule"] and "32" in weighting["rule"], weighting
 
 
-@pytest.mark.xfail(strict=True, reason="forward pass: bf16 weights updated in bf16 (TRL bf16 with a bf16-loaded "
-                                       "model) read as 'another dtype' among guesses and a learning rate of 6.5e-7")
 def test_atropos_bf16_master_weights_are_named(atropos):
     """The model is loaded in bf16 and AdamW steps bf16 weights: TRL's bf16 = true with model_init_kwargs dtype
     bfloat16, the built-in loop's DTYPE = MASTER_WEIGHTS = "bfloat16". Nor is the optimizer's rate a fit of bf16's

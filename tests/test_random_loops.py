@@ -111,6 +111,9 @@ def test_the_answer_is_what_the_loop_does(seed):
             assert _const(source, "STD_EPS") == value
         if key == "KL_ESTIMATOR":
             assert {"k1": "kl = logp - ref_logp", "k2": "kl = 0.5 * (logp - ref_logp) ** 2"}[value] in source
+    agg = answer["choices"]["agg"]  # the choices no switch reproduces, in the loss as written
+    assert ("* a).mean() * len(a) / n" in source) == (agg == "mean_advantage_broadcast")
+    assert ("/ ACCUM_STEPS" in source and _const(source, "ACCUM_STEPS") == 8) == (agg == "grpo_over_constant_8")
     assert ("parity.trained(" in source) == ("SELECTION" in quirks)
     assert ("AdamW(model.parameters()" in source) == ("WEIGHT_DECAY_ALL" in quirks)
 

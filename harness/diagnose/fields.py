@@ -154,6 +154,14 @@ FIELDS = {
         trl_fixed="no_eos_or_pad", quantity="truncated completions", preflight_words={
             "no_eos": "counts a completion ending in a sampled pad id as truncated; TRL counts it as ended (its last "
                       "token the eos or the pad id) and has no option not to"}),
+    # the precision: the compute dtype (TRL's bf16) and the dtype the weights are held and stepped in (TRL: the
+    # model loaded in it, model_init_kwargs dtype; the trl table cannot write it: the built-in loop's switch)
+    "DTYPE": Field("bf16", words=lambda v: ("computes its forward and backward passes in bfloat16 (TRL: bf16 = true)"
+                                            if v == "bfloat16" else "computes in float32 (TRL: bf16 = false)")),
+    "MASTER_WEIGHTS": Field(None, words=lambda v: (
+        "holds and steps its weights in bfloat16, the model loaded in bfloat16 (TRL: bf16 = true with the model "
+        "loaded in bfloat16, model_init_kwargs dtype = \"bfloat16\"; the harness's TRL side loads it as "
+        "MASTER_WEIGHTS says)" if v == "bfloat16" else "holds float32 master weights"), trl_fixed="float32"),
     "LOGITS_DTYPE": Field(
         None, words=lambda v: f"takes its log_softmax on {v} logits (cast before the temperature; TRL: float32)",
         trl_fixed="float32", quantity="log_softmax dtype", preflight_words={

@@ -110,6 +110,12 @@ def one_change(changes: dict, key: str) -> dict:
     return {key: changes[key]}
 
 
+# a change and what it cannot be set without (the spec check refuses bf16 weights computed in float32): trl_moves
+# sets the second on both sides, so that the first is judged by what it moves itself (bf16 weights: nothing, TRL's
+# model_init_kwargs dtype, which the table does not write: a quirk with the built-in loop's switch)
+_NEEDS = {("MASTER_WEIGHTS", "bfloat16"): {"DTYPE": "bfloat16"}}
+
+
 def trl_moves(base, changes: dict) -> dict:
     """The GRPOConfig fields `changes` move in the spec's own translation, `[trl]` left out (an override would hide
     the move: `[trl] learning_rate` makes LR move nothing), with their new values: empty for a quirk TRL cannot
@@ -118,6 +124,10 @@ def trl_moves(base, changes: dict) -> dict:
     from trl_runner.translate import translate
 
     bare = apply_alignment(base, {"drop_trl": list(base.trl)}) if base.trl else base
+    needs = {k: v for (key, value), need in _NEEDS.items() if changes.get(key) == value
+             for k, v in need.items() if k not in changes and getattr(bare, k) != v}
+    if needs:  # a field it cannot be set without, set on both sides: what the change alone moves
+        bare = apply_alignment(bare, {"set": needs})
     try:
         before = translate(bare).kwargs
     except SpecError:  # the table makes the translation valid (a batch it fixes): judged with it, as before

@@ -147,6 +147,8 @@ def _constants(p: dict) -> str:
              f"PASSES = {2 if p['passes'].startswith('2') else 1}  # optimizer passes over each round"]
     if p["kl"] != "none":
         lines.append(f"BETA = {p['kl_beta']}  # KL weight")
+    if p["agg"] == "grpo_over_constant_8":
+        lines.append("ACCUM_STEPS = 8  # its config's gradient_accumulation_steps (it cuts ACCUM micro-batches)")
     if p["adv_scale"] != "none":
         eps = {"1e-4": "1e-4", "1e-8": "1e-8", "1e-6": "1e-6", "1e-2": "1e-2", "inside_1e-8": "1e-8"}[p["std_eps"]]
         lines.append(f"STD_EPS = {eps}")
@@ -305,6 +307,10 @@ def _aggregate(p: dict) -> str:
         "dr_grpo": "(per_token * mask).sum() / (n * MAX_TOKENS)",
         "seq_sum_mean": "(per_token * mask).sum() / n  # verl's seq-mean-token-sum",
         "sum": "(per_token * mask).sum()",
+        # Atropos': the advantages (B, 1) against the per-completion term (B,) broadcast to (B, B), over the round's
+        # completions (each micro-batch's share of them)
+        "mean_advantage_broadcast": "(((-ratio * mask).sum(1) / mask.sum(1).clamp(min=1)) * a).mean() * len(a) / n",
+        "grpo_over_constant_8": "((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / ACCUM_STEPS",
     }[a]
     return _indent(f"loss = {expr}", 8)
 

@@ -19,7 +19,9 @@ Surveyed from the loops' own code and TRL's options, not from the harness's expl
 - nano-aha-moment / nanochat: torch AdamW defaults, no gradient clipping, a linear decay over a horizon.
 - Loops seen by issue 47: a second normalisation of the advantages over loss tokens, advantages clamped, group
   statistics in float16, cross_entropy(ignore_index=pad_id) as the log-prob, a loss logged for one micro-batch,
-  two passes with old log-probs recomputed before each.
+  two passes with old log-probs recomputed before each; Atropos' advantages (B, 1) broadcast against a per-completion
+  term (B,) (each completion weighted by its micro-batch's mean advantage) and its loss over a constant
+  gradient_accumulation_steps that is not its micro-batches' number.
 
 Each choice: (name, weight, answer part). The first of each stage is the default, drawn most often, so that a loop
 differs from TRL in a few places. An answer part holds `trl` (fields, values as the loop writes them), `quirks` (the
@@ -97,7 +99,14 @@ STAGES: dict[str, list] = {
         _c("logits_bf16", 4, quirks={"LOGITS_DTYPE": "bfloat16"}),  # the built-in loop's switch since round 2
     ],
     "agg": [
-        _c("grpo", 65),
+        _c("grpo", 65 - 5 / 1.8),  # (the two below take their weight from here, the boost undone: others draw as before)
+        # Atropos' trainer: `(term * advantages).mean()` with the advantages (B, 1) and the per-completion term (B,)
+        _c("mean_advantage_broadcast", 2, inexpressible=[
+            "each completion weighted by its micro-batch's mean advantage ((B,) x (B, 1) broadcast)"]),
+        # a per-completion mean over each micro-batch divided by a gradient_accumulation_steps of its config (8), not
+        # by its micro-batches' number: a mean over the round's completions times 2 / 8
+        _c("grpo_over_constant_8", 3, inexpressible=[
+            "each micro-batch's per-completion mean divided by a constant 8, not its 2 micro-batches"]),
         _c("dapo", 12, trl={"loss_type": "dapo"}),
         _c("bnpo_in_order", 7, trl={"loss_type": "bnpo"}, quirks={"MICRO_BATCH_ORDER": "rollout"}),
         _c("dr_grpo", 6, trl={"loss_type": "dr_grpo"}),
@@ -203,6 +212,8 @@ REQUIRES = {
     # (advantages over the round, a second normalisation over the step's tokens: the built-in loop's is the round's)
     ("selection", "group_per_step"): {"passes": "1", "adv_extra": "none"},
     ("agg", "bnpo_in_order"): {"selection": "whole_round"},
+    # the broadcast's loss is Atropos' own: -ratio per token (no clip, no KL), one pass (the ratio is 1)
+    ("agg", "mean_advantage_broadcast"): {"kl": "none", "passes": "1"},
 }
 DEPENDS = {"kl_beta": ("kl", "none"), "kl_ratio": ("kl", "none"), "std_kind": ("adv_scale", "none"),
            "std_eps": ("adv_scale", "none")}  # drawn only where the stage named is not that choice

@@ -29,6 +29,11 @@ up to each completion's length where said), reachable here as `identify.<name>`:
                                                                      end, raw logits, dtype)
     weighting.py   weighting(per_token_loss, mask, loss, ...)        how per-token losses become the loss (TRL's loss
                                                                      types, or a divisor)
+    gradient.py    read_weights(rows_grad, grad, advantages, ...)    the weighting again from step 1's gradient (the
+                                                                     Probe's slice against each completion's own at
+                                                                     the initial weights): what the loss's value
+                                                                     cannot show (a constant divisor of a mean over
+                                                                     completions, an advantage broadcast)
     objective.py   objective(per_token_loss, advantages, logps, ...) the per-token objective: ratio form, KL estimator
                                                                      and weight, clip bounds, importance sampling
     optimizer.py   optimizer(probe_rows, grad_norms)                 Adam's learning rate per step, betas, epsilon,
@@ -54,6 +59,7 @@ from harness.diagnose.identify.advantages import read as _read_advantages
 from harness.diagnose.identify.finding import Finding
 from harness.diagnose.identify.forward import forward
 from harness.diagnose.identify.forward import read as _read_forward
+from harness.diagnose.identify.gradient import read as _read_gradient
 from harness.diagnose.identify.mask import mask
 from harness.diagnose.identify.mask import read as _read_mask
 from harness.diagnose.identify.numerics import snap
@@ -92,6 +98,7 @@ def identify(cell) -> list[Finding]:
     for read in STAGES:
         found[read.__module__.rpartition(".")[2]] = read(cell, dict(found))  # (a stage's module is named for it)
     found["weighting"] = _divisors(found["weighting"])
+    found["weighting"] = _by_gradient(found["weighting"], _gradient(cell, dict(found)))
     found["objective"] = _old_logps(found["objective"], cell)
     found["weighting"] = _last_loss(_own_order(found["weighting"], found["selection"]))
     return [best for stage in CHAIN if (best := pick(stage, found[stage])) is not None]
@@ -118,6 +125,29 @@ def _divisors(weighting: list[Finding]) -> list[Finding]:
             f"{f.rule}; but the divisor is not the same at every step read ({seen})")) if "LOSS_DIVISOR" in f.settings
             else f for f in weighting]
     return weighting
+
+
+def _gradient(cell, found: dict) -> list[Finding]:
+    """The weighting read from step 1's gradient (gradient.py), or nothing where it cannot be computed (a model or
+    tensors of another shape: the other stages' readings stand)."""
+    try:
+        return _read_gradient(cell, found)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, RuntimeError, OSError):
+        return []
+
+
+def _by_gradient(weighting: list[Finding], gradient: list[Finding]) -> list[Finding]:
+    """Where step 1's gradient (gradient.py: the Probe's slice against each completion's gradient at the initial
+    weights) gives another weighting than the loss's value read, the gradient's reading is the weighting: a value is
+    one number a step (0 at a ratio of 1 for a mean over completions of centred advantages, however it is divided),
+    the gradient hundreds; what the value read at step 1 is said as what it could not tell (and what your loop logs,
+    read from the value, is kept)."""
+    if not gradient:
+        return weighting
+    logged = next((f.evidence for f in weighting if f.evidence.get("logged_last_micro_batch")
+                   or f.evidence.get("logged_without_kl")), {})  # (what your loop logs, read from the value: kept)
+    keep = {k: v for k, v in logged.items() if k in ("logged_last_micro_batch", "logged_words", "logged_without_kl")}
+    return [dataclasses.replace(f, evidence={**f.evidence, **keep}) for f in gradient]
 
 
 def _last_loss(weighting: list[Finding]) -> list[Finding]:

@@ -10,7 +10,9 @@ before its update), so the completions can be scored again under candidate forwa
   agree with TRL's through it and not after, and the tokens after it are not compared;
 - log-probs on the raw logits (LOGP_ON_RAW_LOGITS, at a temperature other than 1), the log_softmax taken on
   logits cast to bfloat16 or float16 (LOGITS_DTYPE: the model in float32, so it reproduces your log-probs exactly),
-  another compute dtype (DTYPE: only at that dtype's own rounding).
+  another compute dtype (DTYPE: only at that dtype's own rounding); where none of these fits, the weights themselves
+  loaded in bfloat16 (MASTER_WEIGHTS, a second model: a loop that loads its model in bf16), the log_softmax on the
+  bf16 logits such a model returns or after a cast to float32.
 Step 1 may hold no pad id before a completion's end (a loop that trains one prompt group per step): then the first
 later step whose completions hold one is read from your reference log-probs there, which are the initial weights'
 where your loop saves them (a KL to the initial model) and every row without the pad id is TRL's rule's; without
@@ -42,8 +44,9 @@ class Rule:
     end: int = -1  # END_AT_ID
 
     @property
-    def settings(self) -> dict:
-        return {**dict(self.passes), **({"LOGP_ZERO_ID": self.zero} if self.zero >= 0 else {}),
+    def settings(self) -> dict:  # (a pass's own keys, "_rows", are how it is scored, no spec field)
+        return {**{k: v for k, v in self.passes if not k.startswith("_")},
+                **({"LOGP_ZERO_ID": self.zero} if self.zero >= 0 else {}),
                 **({"END_AT_ID": self.end} if self.end >= 0 else {})}
 
 
@@ -72,12 +75,19 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1,
         return fit <= tol if dtype is None else fit <= min(TOLERANCE.get(dtype, tol), trl_off / 10)
 
     fits = []
-    for rule in rules:
-        if rule.passes not in scored:
-            scored[rule.passes] = score(dict(rule.passes))
-        fits.append((rule, *_fit(mine, scored[rule.passes], completions, rule, tol)))
-    # a rule that reproduces every token beats one that leaves some uncompared (an end), then the fewest switches
-    exact = sorted((x for x in fits if within(x[0], x[1])), key=lambda x: (x[2], len(x[0].settings), x[1]))
+
+    def try_rules(rules):
+        for rule in rules:
+            if rule.passes not in scored:
+                scored[rule.passes] = score(dict(rule.passes))
+            fits.append((rule, *_fit(mine, scored[rule.passes], completions, rule, tol)))
+        # a rule that reproduces every token beats one that leaves some uncompared (an end), then the fewest switches
+        return sorted((x for x in fits if within(x[0], x[1])), key=lambda x: (x[2], len(x[0].settings), x[1]))
+
+    exact = try_rules(rules)
+    if not exact:  # none with the spec's weights: the weights loaded in another dtype (a second model, so only here)
+        exact = try_rules([Rule(p, z, e) for p in _weights_passes(spec) for z in (-1, *zeros)
+                           for e in (-1, *(i for i in ids if i == pad_id and i not in eos_ids))])
     rows = sum(1 for o in off if o)
     ev = {"rows": rows, "max_abs": trl_off, "rules_tried": len(fits), "passes": len(scored)}
     if not exact:
@@ -87,7 +97,8 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1,
                        f"differ from TRL's in {rows} of {len(mine)} rows, and no forward rule tried reproduces them "
                        f"(closest: {said}, {closest[1]:.3g} off)", {}, False, no_switch=True, evidence=ev)
     best, fit, uncompared = exact[0]
-    alike = [r for r, _, u in exact[1:] if u == uncompared and len(r.settings) == len(best.settings)]
+    alike = [r for r, _, u in exact[1:] if u == uncompared and len(r.settings) == len(best.settings)
+             and r.settings != best.settings]  # (one rule scored two ways is no look-alike of itself)
     settles = tuple(k for k, v in best.settings.items() if all(r.settings.get(k) == v for r in alike))
     unsettled = tuple(f"{_said(r.settings)} reproduces your log-probs as well (a look-alike at this step)"
                       for r in alike[:3])
@@ -149,6 +160,18 @@ def _passes(ids, eos_ids, spec) -> list[tuple]:
     if getattr(spec, "MASTER_WEIGHTS", "float32") == "float32":
         out.append((("DTYPE", "bfloat16" if spec.DTYPE == "float32" else "float32"),))
     return list(dict.fromkeys(out))
+
+
+def _weights_passes(spec) -> list[tuple]:
+    """The forward passes of a model whose weights are loaded in bfloat16 (MASTER_WEIGHTS, with the DTYPE it needs),
+    where the spec's are float32: its log_softmax on the bf16 logits such a model returns (LOGITS_DTYPE: a loop that
+    scores them as they come, `cross_entropy(model(ids).logits, ...)`), or in float32 after a cast; each scored in
+    the built-in loop's padded batches and each row alone (`_rows`: at bf16's rounding a left-padded prompt's shifted
+    positions move a log-prob by ~1e-3, as much as the weights' dtype does on a small model)."""
+    if getattr(spec, "MASTER_WEIGHTS", "float32") != "float32":
+        return []
+    bf16 = (("DTYPE", "bfloat16"), ("MASTER_WEIGHTS", "bfloat16"))
+    return [p + rows for p in (bf16 + (("LOGITS_DTYPE", "bfloat16"),), bf16) for rows in ((), (("_rows", True),))]
 
 
 def _fit(mine, theirs, completions, rule: Rule, tol: float) -> tuple[float, int]:
@@ -269,6 +292,14 @@ def _initial(saved, completions, trl, pad: int, dtype: str) -> bool:
     return all(abs(float(a) - b) <= tol for row, t, c in untouched for a, b in zip(row[:len(c)], t))
 
 
+def pass_rules(s, eos_ids) -> dict:
+    """The built-in loop's forward switches of spec `s` as completion_forward takes them (scratch_grpo/train.py)."""
+    return {"masked_eos": tuple(eos_ids) if s.EOS_ATTENTION == "mask" else (), "positions": s.POSITIONS,
+            "hidden": (s.ATTENTION_HIDE_ID,) if s.ATTENTION_HIDE_ID >= 0 else (),
+            "dropped": s.MASK_TOKEN_ID if s.MASK_TOKEN_ID >= 0 and s.MASK_TOKEN_DROP else None,
+            "logits_dtype": s.LOGITS_DTYPE}
+
+
 def _scorer(cell, prompts, completions):
     """score(settings) -> the completions' log-probs (one list per row) at the initial weights, under the built-in
     loop's forward pass with `settings` on the cell's spec, in batches of its micro-batch size."""
@@ -278,23 +309,23 @@ def _scorer(cell, prompts, completions):
     from harness.rollouts.generate import pad_left, pad_right
     from scratch_grpo.train import completion_forward
 
-    spec, model = cell.spec, []
+    spec, models = cell.spec, {}
 
     def score(settings: dict) -> list[list[float]]:
-        if not model:  # loaded once, at the first score
-            model.append(load_model(checkpoint_dir(spec), getattr(spec, "MASTER_WEIGHTS", "float32"), "cpu").eval())
+        settings = dict(settings)
+        alone = settings.pop("_rows", False)  # each row scored alone, unpadded
         s = dataclasses.replace(spec, **settings)
-        rules = {"masked_eos": tuple(cell.eos_ids) if s.EOS_ATTENTION == "mask" else (), "positions": s.POSITIONS,
-                 "hidden": (s.ATTENTION_HIDE_ID,) if s.ATTENTION_HIDE_ID >= 0 else (),
-                 "dropped": s.MASK_TOKEN_ID if s.MASK_TOKEN_ID >= 0 and s.MASK_TOKEN_DROP else None,
-                 "logits_dtype": s.LOGITS_DTYPE}
-        size = max(1, len(completions) // max(1, spec.GRAD_ACCUM))
+        held = getattr(s, "MASTER_WEIGHTS", "float32")
+        if held not in models:  # loaded once per dtype its weights are held in, at the first score
+            models[held] = load_model(checkpoint_dir(spec), held, "cpu").eval()
+        rules = pass_rules(s, cell.eos_ids)
+        size = 1 if alone else max(1, len(completions) // max(1, spec.GRAD_ACCUM))
         out = []
         for at in range(0, len(completions), size):
             p_ids, p_mask = pad_left(prompts[at:at + size], cell.pad_id)
             c_ids, c_mask = pad_right(completions[at:at + size], cell.pad_id)
             with torch.no_grad(), autocast_for("cpu", s.DTYPE):
-                lp = completion_forward(model[0], p_ids, p_mask, c_ids, c_mask,
+                lp = completion_forward(models[held], p_ids, p_mask, c_ids, c_mask,
                                         1.0 if s.LOGP_ON_RAW_LOGITS else s.TEMPERATURE, **rules)[0]
             out += [row[:len(c)] for row, c in zip(lp.tolist(), completions[at:at + size])]
         return out

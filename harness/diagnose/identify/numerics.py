@@ -79,3 +79,33 @@ def _rounding(after, updates) -> float:
     noise = sum(float(np.sum(np.spacing(np.abs(a).astype(np.float32)).astype(np.float64) ** 2)) / 12 for a in after)
     total = sum(float(np.sum(u ** 2)) for u in updates)
     return math.sqrt(noise / total) if total > 0 else 0.0
+
+
+def bfloat16_exact(values) -> np.ndarray:
+    """Per value, whether it is a bfloat16 number (its float32 form has a zero lower half: bf16 keeps float32's top
+    16 bits)."""
+    bits = _arr(values).astype(np.float32).view(np.uint32)
+    return (bits & np.uint32(0xFFFF)) == 0
+
+
+def bfloat16_cell(values) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) per bfloat16 value a: the exact values that round to a (to nearest), from halfway to the bf16 number
+    below it to halfway to the one above (at a power of two the spacing below is half the spacing above). 0's cell
+    reaches halfway to the smallest bf16 subnormal either side."""
+    a = _arr(values).astype(np.float32)
+    bits = a.view(np.uint32).astype(np.int64)
+    step = np.int64(0x10000)  # one bf16 unit in the last place, in float32's bit pattern
+    neg = (bits >> 31) == 1  # (the sign bit; magnitudes grow with the bits either way)
+    mag = bits & 0x7FFFFFFF
+    bigger = ((mag + step) | (bits & 0x80000000)).astype(np.uint32).view(np.float32).astype(np.float64)
+    smaller_mag = np.maximum(mag - step, 0)
+    smaller = (smaller_mag | np.where(smaller_mag > 0, bits & 0x80000000, 0)).astype(np.uint32).view(
+        np.float32).astype(np.float64)
+    a64 = a.astype(np.float64)
+    zero = mag == 0
+    tiny = float(np.array([0x10000], dtype=np.uint32).view(np.float32)[0])  # the smallest bf16 subnormal
+    up = np.where(neg, smaller, bigger)  # the next bf16 number toward +inf
+    down = np.where(neg, bigger, smaller)
+    up = np.where(zero, tiny, up)
+    down = np.where(zero, -tiny, down)
+    return (a64 + down) / 2, (a64 + up) / 2

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from harness.diagnose.identify.finding import Finding
-from harness.diagnose.identify.numerics import _alike, _refine, _rounding, _same, snap
+from harness.diagnose.identify.numerics import _alike, _refine, _rounding, _same, bfloat16_cell, bfloat16_exact, snap
 
 _BETA1 = (0.9, 0.0, 0.5, 0.8, 0.95, 0.99)
 _BETA2 = (0.999, 0.99, 0.98, 0.95, 0.9, 0.9999, 0.5)
@@ -129,6 +129,8 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     finite = [x for x in p.norms if math.isfinite(x) and x > 0]
     clips = [math.inf] + sorted({float(f"{x:.3g}") for x in
                                  (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, *(m * f for m in finite for f in (0.5, 0.9, 1.1)))})
+    if held_in_bfloat16(p):  # the weights themselves are bf16: each update is rounded, read as the rates it allows
+        return _bf16_optimizer(p, clips, finite, spec, steps_total)
     b1, b2, eps, clip = _grid_fit(p, clips, finite)
     lrs, wds, res = _score(p, b1, b2, eps, clip)
     # what the run can tell: values whose residual stays within the fit's own noise of the best are alike; of those
@@ -391,3 +393,151 @@ def read(cell, earlier: dict) -> list[Finding]:
     if probes and all(isinstance(x, (int, float)) for x in norms):
         return [optimizer(probes, norms, cell.spec, steps_total=cell.spec.STEPS)]
     return []
+
+
+# ---------------------------------------------------------------------------------------------
+# weights held in bfloat16: every update rounded to the weight's bf16 spacing
+# ---------------------------------------------------------------------------------------------
+BF16_SLACK = 2 ** -7  # the least relative margin on Adam's direction as a bf16 optimizer computes it
+BF16_U = 2 ** -8  # a bound on one bf16 rounding, relative (2^-9 to nearest; twice it, for the op's own float32 math)
+
+
+def held_in_bfloat16(p: _Probed) -> bool:
+    """Your weights are held (and stepped) in bfloat16: every probed weight before and after every probed step is a
+    bf16 number, some moved, and enough of them are not 0 or +-1 (a float32 model's weights are bf16 numbers by
+    chance 1 in 65536 each; a moved float32 weight almost never is)."""
+    before, after = np.concatenate(p.before), np.concatenate(p.after)
+    plain = np.count_nonzero((np.abs(before) != 1.0) & (before != 0.0))
+    return bool(np.all(bfloat16_exact(before)) and np.all(bfloat16_exact(after)) and np.any(after != before)
+                and plain >= 16)
+
+
+def bf16_rate_interval(before, after, direction, slack: float = BF16_SLACK) -> tuple[float, float] | None:
+    """The learning rates lr >= 0 under which every bf16 weight `before`, stepped by -lr x `direction` (Adam's
+    update direction, known to a relative `slack`, one for all or one per element) and rounded to bf16, gives
+    `after`: (lo, hi), lo > hi where no
+    rate does; None where no element has a direction. Each element bounds the rate: the exact value before - lr x d
+    must lie in the cell of values that round to `after` (numerics.bfloat16_cell), so lr x |d| lies in
+    sign(d) x [before - hi, before - lo]; an element that did not move gives an upper bound alone, one that moved k
+    spacings a rate about k spacings / |d|."""
+    b, d = np.asarray(before, dtype=np.float64), np.asarray(direction, dtype=np.float64)
+    cell_lo, cell_hi = bfloat16_cell(after)
+    on = np.abs(d) > 0
+    if not np.any(on):
+        return None
+    sign, size = np.sign(d[on]), np.abs(d[on])
+    slack = np.broadcast_to(np.asarray(slack, dtype=np.float64), d.shape)[on]
+    a1, a2 = sign * (b[on] - cell_hi[on]), sign * (b[on] - cell_lo[on])
+    need_lo, need_hi = np.minimum(a1, a2), np.maximum(a1, a2)  # lr x |d| within [need_lo, need_hi]
+    lo = np.maximum(need_lo / np.where(need_lo > 0, size * (1 + slack), size * (1 - slack)), 0.0)
+    hi = need_hi / np.where(need_hi > 0, size * (1 - slack), size * (1 + slack))
+    return float(np.max(lo)), float(np.min(hi))
+
+
+def bf16_adam_dirs(grads, norms, beta1, beta2, eps, max_norm) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Adam's update direction at each step, as _adam_dirs, with a bound on its relative error where the moments are
+    held in bfloat16 (torch's AdamW on bf16 parameters keeps exp_avg and exp_avg_sq in their dtype): each update of
+    a moment rounds it (BF16_U of its size; the second moment twice, a multiply then an add), and an error carried
+    from earlier steps shrinks with beta but not with the moment itself, so where m nearly cancels (a gradient that
+    turns) its relative error is large. [(direction, relative error bound)] per step."""
+    m = np.zeros_like(grads[0])
+    v = np.zeros_like(grads[0])
+    em, ev = np.zeros_like(m), np.zeros_like(v)  # absolute error bounds of the bf16 moments
+    out = []
+    for t, (g, nrm) in enumerate(zip(grads, norms), 1):
+        c = 1.0 if not max_norm or not math.isfinite(max_norm) else min(1.0, max_norm / (nrm + 1e-6))
+        g = g * c
+        eg = BF16_U * np.abs(g) if c < 1.0 else 0.0  # (clip_grad_norm_ scales the bf16 gradient in place)
+        m = beta1 * m + (1 - beta1) * g
+        em = beta1 * em + (1 - beta1) * eg + BF16_U * np.abs(m)
+        v_old, v = v, beta2 * v + (1 - beta2) * g * g
+        ev = beta2 * ev + (1 - beta2) * 2 * np.abs(g) * eg + BF16_U * (beta2 * v_old + v)
+        m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
+        root = np.sqrt(v_hat)
+        d = m_hat / (root + eps)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = em / np.abs(m) + 0.5 * ev / np.maximum(v, 1e-300) * root / (root + eps) + 3 * BF16_U
+        out.append((d, np.where(np.isfinite(rel), np.maximum(rel, BF16_SLACK), 1.0)))
+    return out
+
+
+def _bf16_intervals(p: _Probed, b1, b2, eps, clip) -> list[tuple[float, float] | None]:
+    """Per probed step, the rate interval of Adam with these settings (None where the step had no gradient); an
+    element whose direction is known to no better than half of itself (a first moment that all but cancels) bounds
+    nothing."""
+    return [bf16_rate_interval(b, a, np.where(rel < 0.5, d, 0.0), rel)
+            for b, a, (d, rel) in zip(p.before, p.after, bf16_adam_dirs(p.grads, p.norms, b1, b2, eps, clip))]
+
+
+def _fits(intervals) -> bool:
+    return all(iv is None or iv[0] <= iv[1] for iv in intervals) and any(iv is not None for iv in intervals)
+
+
+def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: int | None) -> Finding:
+    """Adam(W) on weights held in bfloat16: the updates are rounded to each weight's bf16 spacing, so a least-squares
+    rate would fit the rounding (most small updates round to nothing); instead each (beta1, beta2, threshold) is
+    kept where, at every probed step, some rate reproduces every rounded weight (bf16_rate_interval), and the rate of
+    each step is the middle of the interval it allows. Adam's epsilon is read as its grid allows; a decoupled weight
+    decay cannot show (bf16 optimizers multiply the weights by 1 - lr x wd on their own, which rounds back to each
+    weight for lr x wd below 2^-9)."""
+    prefer = lambda alike, own: own if own in alike else alike[0]  # noqa: E731
+    grid = [(b1, b2, clip) for clip in clips for b1 in _BETA1 for b2 in _BETA2]
+    fit = {h: _bf16_intervals(p, h[0], h[1], 1e-8, h[2]) for h in grid}
+    ok = [h for h in grid if _fits(fit[h])]
+    said_bf16 = ("holds its weights in bfloat16 and steps them there (every probed weight and update is a bfloat16 "
+                 "number: the model loaded in bfloat16; TRL: bf16 = true with the model loaded in bfloat16)")
+    settings = {"MASTER_WEIGHTS": "bfloat16", "DTYPE": "bfloat16"}
+    if not ok:
+        return Finding("optimizer", None, f"your loop {said_bf16}; no Adam on the grid reproduces its rounded "
+                       "updates at every probed step", _changed(settings, spec), False, same_as_spec=False,
+                       evidence={"bfloat16_weights": True}, settles=("MASTER_WEIGHTS", "DTYPE"))
+    alike_b1 = [x for x in _BETA1 if any(h[0] == x for h in ok)]
+    b1 = prefer(alike_b1, getattr(spec, "ADAM_BETA1", None))
+    alike_b2 = [x for x in _BETA2 if (b1, x) in {h[:2] for h in ok}]
+    b2 = prefer(alike_b2, getattr(spec, "ADAM_BETA2", None))
+    alike_clip = sorted(h[2] for h in ok if h[:2] == (b1, b2))
+    nice = [c for c in (math.inf, 1.0, 0.5, 0.2, 0.1, 2.0, 5.0) if c in alike_clip]  # (none first: the simplest)
+    own = float(getattr(spec, "MAX_GRAD_NORM", 0.0) or math.inf) if spec else math.inf
+    clip = own if own in alike_clip else nice[0] if nice else alike_clip[0]
+    alike_eps = [e for e in _ADAM_EPS if _fits(_bf16_intervals(p, b1, b2, e, clip))] or [1e-8]
+    eps = prefer(alike_eps, getattr(spec, "ADAM_EPS", None))
+    intervals = _bf16_intervals(p, b1, b2, eps, clip)
+    known = [(t, (iv[0] + iv[1]) / 2) for t, iv in enumerate(intervals) if iv is not None]
+    width = max((iv[1] - iv[0]) / max(iv[0] + iv[1], 1e-300) for iv in intervals if iv is not None)
+    rates, words, unsettled = _learning_rate(known, width, steps_total, spec)
+    settings.update(rates)
+    settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
+    words = [said_bf16 + ":", *words, f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}"]
+    for what, alike in (("Adam's beta1", alike_b1), ("Adam's beta2", alike_b2)):
+        if len(alike) > 1:
+            unsettled.append(f"{what}: {', '.join(f'{x:g}' for x in alike)} fit the probed steps' rounded updates alike")
+    if len(alike_eps) > 1:
+        unsettled.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above "
+                         "it)")
+    rate = settings.get("LR", getattr(spec, "LR", 0.0)) or 1e-300
+    unsettled.append(f"weight decay cannot show on bfloat16 weights: a decay multiplies each weight by 1 - lr x wd, "
+                     f"which rounds back to the weight itself below wd = {2 ** -9 / rate:.3g} at this rate")
+    part = _clipping(clip, alike_clip, finite, spec)
+    settings.update(part[0])
+    words += part[1]
+    unsettled += part[2]
+    settings = _changed(settings, spec)
+    settles = ("MASTER_WEIGHTS", "DTYPE") + _optimizer_settles(len(known) == len(intervals) and len(known) >= 2,
+                                                               alike_b1, alike_b2, alike_eps, unsettled)
+    settles = tuple(k for k in settles if k not in ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL"))
+    if any(u.startswith("the learning rate per step") for u in unsettled):
+        settings.pop("LR_SCHEDULE", None)
+    return Finding("optimizer", None, "your loop " + " ".join(words), settings, True, same_as_spec=False,
+                   unsettled=tuple(unsettled), settles=settles,
+                   evidence={"bfloat16_weights": True, "lrs": [None if iv is None else (iv[0] + iv[1]) / 2
+                                                              for iv in intervals],
+                             "intervals": [list(iv) if iv else None for iv in intervals], "residual": width})
+
+
+def _changed(settings: dict, spec) -> dict:
+    """The settings that differ from the spec's own (a threshold of 0 where the spec clips at none stays out)."""
+    if not spec:
+        return settings
+    has = {k: getattr(spec, k, {"MASTER_WEIGHTS": "float32", "DTYPE": "float32"}.get(k)) for k in settings}
+    return {k: v for k, v in settings.items() if not _same(has[k], v) and not (k == "MAX_GRAD_NORM" and not v
+                                                                              and not has[k])}
