@@ -143,7 +143,8 @@ def _group_cell(spec, model, pad, eos, ref: str | None):
     """One round of four completions trained two per step (harness.loop.trained): step 1 on CLEAN, step 2 on LATER,
     the loop's attention mask built as `ids != pad`. `ref`: what it saves as reference log-probs at step 2: "initial"
     (the initial model's, as a KL to it takes them), "moved" (another model's: every row off), "moved_all" (the row
-    with the pad id off, the other TRL's: no rule reproduces it), None (none saved).
+    with the pad id off, the other TRL's: no rule reproduces it), None (none saved), "unsaved" (no tensors at all at
+    step 2: a loop that saves only its first steps' tensors).
     Its step-2 log-probs are a moved policy's (off in every row): only the reference can be read there."""
     from harness.diagnose.cell import CellData
 
@@ -158,8 +159,9 @@ def _group_cell(spec, model, pad, eos, ref: str | None):
     elif ref == "moved_all":  # only the row with the pad id off: no untouched row to check the reference by
         step2["ref_logps"] = [[x - 0.2 for x in second[0]], second[1]]
     record = {"prompt_ids": prompts + prompts, "completion_ids": CLEAN + LATER}
+    tensors = {1: {"logps": first}, **({} if ref == "unsaved" else {2: step2})}
     return CellData(spec=dataclasses.replace(spec, GROUP_SIZE=2), records=(record,), eos_ids=eos, pad_id=pad,
-                    tensors={1: {"logps": first}, 2: step2}, trained={1: [(0, 0), (0, 1)], 2: [(0, 2), (0, 3)]})
+                    tensors=tensors, trained={1: [(0, 0), (0, 1)], 2: [(0, 2), (0, 3)]})
 
 
 def test_a_pad_id_attention_mask_is_read_from_the_reference_log_probs_of_the_first_step_that_holds_one(setup):
@@ -183,7 +185,7 @@ def test_without_a_reference_at_known_weights_the_pad_id_rule_is_a_candidate_for
     from harness.diagnose.identify.forward import read
 
     spec, model, pad, eos = setup
-    for ref in (None, "moved", "moved_all"):
+    for ref in (None, "moved", "moved_all", "unsaved"):
         [f] = read(_group_cell(spec, model, pad, eos, ref), {})
         assert f.exact and f.same_as_spec and f.settings == {} and not f.settles, (ref, f)
         assert f.evidence["candidate"] == {"ATTENTION_HIDE_ID": 0} and f.evidence["candidate_step"] == 2, (ref, f)

@@ -234,7 +234,8 @@ def beyond_step_1(cell, first) -> Finding | None:
         return None
     later = next((s for s in steps(cell) if s.step == at), None)  # (its saved tensors, where it saved them)
     ref = later.tensors.get("ref_logps") if later is not None else None
-    if _rows_of(ref, len(later.completions)) and all("prompt_ids" in cell.records[r] for r, _ in later.rows):
+    if later is not None and _rows_of(ref, len(later.completions)) and all("prompt_ids" in cell.records[r]
+                                                                            for r, _ in later.rows):
         prompts = [cell.records[r]["prompt_ids"][i] for r, i in later.rows]
         score = _cached(_scorer(cell, prompts, later.completions))
         if _initial(ref, later.completions, score({}), pad, getattr(cell.spec, "DTYPE", "float32")):
