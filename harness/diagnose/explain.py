@@ -260,34 +260,39 @@ def _found(spec, search: Search, start: Start, data, log) -> Found:
     # pad id): tried with the unsure readings and alone, after them (at a tie they win), kept only if it helps
     candidate = candidates(start)
     if candidate:
-        guesses[at:at] = [g for g in ({**start.unsure, **candidate}, candidate) if g not in guesses]
+        for g in ({**start.unsure, **candidate}, candidate):  # (one guess where nothing is unsure)
+            if g not in guesses:
+                guesses.insert(at, g)
+                at += 1
     return Found(found, tuple(guesses), exact_first, tuple(notes))
 
 
+def _handed_on(start: Start) -> list[tuple[str, object, int]]:
+    """(field, value, the step it can first act at) of each candidate a stage handed on (evidence["candidate"],
+    ["candidate_step"]), less what your log or tensors settle."""
+    return [(k, v, f.evidence.get("candidate_step", 1)) for f in start.findings
+            for k, v in f.evidence.get("candidate", {}).items() if k not in start.read and k not in start.settles]
+
+
 def candidates(start: Start) -> dict:
-    """What the stages handed on as candidates (evidence["candidate"]), less what your log or tensors settle."""
-    return {k: v for f in start.findings for k, v in f.evidence.get("candidate", {}).items()
-            if k not in start.read and k not in start.settles}
+    """What the stages handed on as candidates, as one set of changes."""
+    return {k: v for k, v, _at in _handed_on(start)}
 
 
 def candidate_options(start: Start) -> list:
-    """The stages' candidates as search options, each from the step it can first act at (evidence
-    ["candidate_step"]): a round that needs it with another change finds it in a pair."""
+    """The stages' candidates as search options, each from the step it can first act at: a round that needs it with
+    another change finds it in a pair."""
     from harness.diagnose.search import Option
 
-    out = []
-    for f in start.findings:
-        at = f.evidence.get("candidate_step", 1)
-        out += [Option(k, v, at) for k, v in f.evidence.get("candidate", {}).items()
-                if k not in start.read and k not in start.settles]
-    return out
+    return [Option(k, v, at) for k, v, at in _handed_on(start)]
 
 
 def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> list[str]:
-    """The notes, with what a stage said it could not show and handed on as a candidate (the forward stage's pad id,
-    held by no completion of step 1) said as the search left it: kept (the run needed it), or not kept where the
-    kept set agrees with your loop past the first step it could act at (it would have shown: your loop does not do
-    it); else the stage's words stand (the search stopped before it could act)."""
+    """The notes, with what the forward stage said it could not show and handed on as a candidate (a rule on an id
+    no completion of step 1 holds before its end) said as the search left it: kept (the run needed it); not kept
+    where the kept set agrees with your loop through the first step it could act at (your loop does not do it, or
+    its effect stays under the tolerance: without a run that parts with it, the two are not told apart); else the
+    stage's words stand (the search stopped before it could act)."""
     out = list(notes)
     for f in findings:
         cand, at = f.evidence.get("candidate"), f.evidence.get("candidate_step")
@@ -301,9 +306,10 @@ def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> li
             now = (f"{f.stage}, found by the search: your loop {what} (step 1 could not show it: the first step whose "
                    f"completions hold the id before their end is step {at}; kept, the built-in loop needs it)")
         elif agree >= at:
-            now = (f"{f.stage}, told by the search: your loop's forward pass is not one that {what.split(' (')[0]} "
-                   f"(without it the built-in loop agrees with your loop through step {agree}, past step {at}, the "
-                   "first whose completions hold the id before their end; step 1's held none)")
+            rule = what.split(" (")[0]
+            now = (f"{f.stage}: this run could not tell: whether your loop {rule}: without it the built-in loop "
+                   f"agrees with your loop through step {agree} (from step {at} on, completions hold the id before "
+                   "their end; step 1's held none), so it does not, or its effect stays under the tolerance here")
         else:
             continue
         out[out.index(said)] = now
@@ -473,6 +479,7 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
         envelope = float32_twin(apply_alignment(base, {"set": state.changes}), list(data.records), root, "plain")
     search.warm = None  # the bf16 model: freed before the float32 one loads
     again = Search(base, yours, list(data.records), root / "search", envelope, search.log)
+    again.extra = list(search.extra)  # (a stage's candidate, offered in float32 as in bf16)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
     if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may

@@ -93,7 +93,8 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1,
     if not exact:
         closest = min(fits, key=lambda x: x[1])
         said = _said(closest[0].settings) or "TRL's"
-        return Finding("forward", step, f"{what.replace('your ', 'your loop' + chr(39) + 's ', 1)} at step {step} "
+        whose = what.replace("your ", "your loop's ", 1)
+        return Finding("forward", step, f"{whose} at step {step} "
                        f"differ from TRL's in {rows} of {len(mine)} rows, and no forward rule tried reproduces them "
                        f"(closest: {said}, {closest[1]:.3g} off)", {}, False, no_switch=True, evidence=ev)
     best, fit, uncompared = exact[0]
