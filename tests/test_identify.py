@@ -440,13 +440,13 @@ def test_a_bfloat16_step_whose_updates_all_round_to_nothing_reads_no_rate(monkey
     settled (a step said nothing); where every step is such, no rate is read and the bound is said."""
     import importlib
 
-    O = importlib.import_module("harness.diagnose.identify.optimizer")  # (the package's `optimizer` is the function)
+    opt = importlib.import_module("harness.diagnose.identify.optimizer")  # (the package's `optimizer` is the function)
     plain = np.array([0.5 + k * 2 ** -7 for k in range(16)])
-    p = O._Probed(["w"], [16], [plain] * 3, [plain] * 3, [plain] * 3, [plain * 0] * 3, np.ones(16, bool), [1.0] * 3)
+    p = opt._Probed(["w"], [16], [plain] * 3, [plain] * 3, [plain] * 3, [plain * 0] * 3, np.ones(16, bool), [1.0] * 3)
     for intervals, rates in (([(1e-4, 1.02e-4), (0.0, 5e-4), (1e-4, 1.02e-4)], [1.01e-4, None, 1.01e-4]),
                              ([(0.0, 5e-4), (0.0, 4e-4), (0.0, 6e-4)], None)):
-        monkeypatch.setattr(O, "_bf16_intervals", lambda *_a, iv=intervals: iv)
-        f = O._bf16_optimizer(p, [math.inf], [], SPEC, steps_total=10)
+        monkeypatch.setattr(opt, "_bf16_intervals", lambda *_a, iv=intervals: iv)
+        f = opt._bf16_optimizer(p, [math.inf], [], SPEC, steps_total=10)
         assert f.settings.get("MASTER_WEIGHTS") == "bfloat16" and "LR" not in f.settles, f
         if rates is None:
             assert "LR" not in f.settings and any(u == "the learning rate: at most 0.0004 (no probed weight moved by "

@@ -22,8 +22,8 @@ _NUMBERS = re.compile(rf"\[?{_NUMBER}(?:, {_NUMBER}){{4,}}(?:, \.\.\.)?\]?")
 def training_divergence(cell: dict) -> dict | None:
     """Where a cell's two runs part, as its headline says it: against your loop the first metric training computes
     to leave tolerance (loss, grad_norm, learning_rate, the final weights: not `is_derived`, nor a loss the
-    confirmed explanation found logged otherwise from that step on), ties broken by the comparator's priority; None where only statistics part. The built-in sides define their statistics alike:
-    their first divergence as it is."""
+    confirmed explanation found logged otherwise from that step on), ties broken by the comparator's priority; None
+    where only statistics part. The built-in sides define their statistics alike: their first divergence as it is."""
     from harness.diagnose.compare import PRIORITY, is_derived
 
     fd = cell.get("first_divergence")

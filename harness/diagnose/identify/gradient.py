@@ -399,8 +399,8 @@ def _row_gradients(cell, spec, first, probe) -> tuple[np.ndarray, np.ndarray] | 
 
     from harness.diagnose.identify.forward import pass_rules
     from harness.experiment.models import autocast_for, checkpoint_dir, load_model
-    from harness.loop import probe_indices
     from harness.rollouts.generate import pad_left, pad_right
+    from harness.runlog.tensors import probe_indices
     from scratch_grpo.train import completion_forward
 
     model = load_model(checkpoint_dir(spec), getattr(spec, "MASTER_WEIGHTS", "float32"), "cpu")
