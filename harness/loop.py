@@ -35,6 +35,8 @@ import math
 import os
 from functools import lru_cache
 
+from harness.runlog.tensors import probe_indices
+
 ENV = ("PARITY_INIT", "PARITY_SPEC", "PARITY_ROLLOUTS", "PARITY_SEED", "PARITY_METRICS", "PARITY_WEIGHTS_OUT",
        "PARITY_TENSORS", "PARITY_TRAINED")
 
@@ -184,13 +186,6 @@ class Probe:
 
         write_row(os.environ["PARITY_TENSORS"], step, {"probe": {**self._pending, "after": self.read()["before"]}})
         self._pending = None
-
-
-def probe_indices(numel: int, per_param: int = 32) -> list[int]:
-    """The flat indices Probe reads of a parameter of `numel` elements: `per_param` evenly spaced (all of a smaller
-    one). The harness finds them again from a probed parameter's size and how many values it saved."""
-    k = min(per_param, numel)
-    return sorted({i * numel // k for i in range(k)})
 
 
 def _values(p, idx: list[int]) -> list[float]:

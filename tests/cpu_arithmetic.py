@@ -17,9 +17,10 @@ PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA":
 
 
 def has_avx2(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU's flags (Linux's /proc/cpuinfo) name avx2; False where they cannot be read."""
     try:
         with open(cpuinfo, encoding="utf-8") as f:
-            return any(line.startswith("flags") and " avx2" in f" {line.split(':', 1)[-1]}" for line in f)
+            return any(line.startswith("flags") and "avx2" in line.split(":", 1)[-1].split() for line in f)
     except OSError:
         return False
 

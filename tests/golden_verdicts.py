@@ -184,6 +184,7 @@ def golden(name: str) -> dict:
 
 
 def recorded_on(name: str) -> str | None:
+    """The fingerprint of the arithmetic the case's golden was recorded on (None: recorded before the fingerprint)."""
     return json.loads(golden_path(name).read_text(encoding="utf-8")).get(ARITHMETIC)
 
 
@@ -201,6 +202,7 @@ def main(argv: list[str]) -> int:
     from cpu_arithmetic import fingerprint
 
     here = fingerprint()
+    compared = 0
     for name in names:
         if argv[0] == "check" and recorded_on(name) != here:
             print(f"{name}: not compared: recorded on the arithmetic {recorded_on(name)}, this machine computes {here} "
@@ -215,7 +217,10 @@ def main(argv: list[str]) -> int:
             diff = differences(golden(name), got)
             bad += bool(diff)
             print(f"{name}: " + ("same" if not diff else "DIFFERS\n  " + "\n  ".join(diff)))
-    return 1 if bad else 0
+        compared += 1
+    if not compared:
+        print("nothing compared: no golden was recorded on this machine's arithmetic")
+    return 1 if bad or not compared else 0
 
 
 if __name__ == "__main__":

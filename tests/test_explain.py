@@ -16,7 +16,7 @@ import pytest
 
 from conftest import DEFAULT_SPEC, ROOT
 from first_screen import check_report
-from harness.diagnose.explain import scratch_as_trl, trl_fields
+from harness.diagnose.as_trl import scratch_as_trl, trl_fields
 from harness.diagnose.logged import settings_from_log
 from harness.diagnose.matrix import run_matrix
 from harness.diagnose.search import Trial, trl_moves

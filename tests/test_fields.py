@@ -4,7 +4,7 @@ values are the ones the built-in loop has."""
 from __future__ import annotations
 
 from conftest import DEFAULT_SPEC
-from harness.diagnose.explain import SCRATCH_OF_TRL
+from harness.diagnose.as_trl import SCRATCH_OF_TRL
 from harness.diagnose.fields import FIELDS, LOOK_ALIKE, QUIRKS, words
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.search import trl_moves

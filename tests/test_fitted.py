@@ -19,7 +19,7 @@ settings.register_profile("fitted", max_examples=40, derandomize=True, database=
 
 @pytest.fixture(scope="module")
 def base():
-    from harness.diagnose.explain import scratch_as_trl
+    from harness.diagnose.as_trl import scratch_as_trl
     from harness.experiment.spec import load_spec
 
     return scratch_as_trl(load_spec(DEFAULT_SPEC))
@@ -41,7 +41,7 @@ _KEYS = st.sampled_from(["LR", "LR_SCHEDULE", "WARMUP_STEPS", "LR_SCHEDULER_KWAR
 @settings(settings.get_profile("fitted"))
 @given(changes=st.dictionaries(_KEYS, _VALUES, max_size=5))
 def test_random_fits_never_crash_the_gate(base, changes):
-    from harness.diagnose.explain import trl_fields
+    from harness.diagnose.as_trl import trl_fields
     from harness.diagnose.fitted import admissible, refused_words
     from harness.diagnose.preflight import apply_alignment
     from trl_runner.translate import translate

@@ -19,8 +19,9 @@ from golden_verdicts import CASES, differences, golden, recorded_on, run_case
 def test_the_verdict_is_the_golden_one(name):
     """Where this machine computes the arithmetic the golden was recorded on (tests/cpu_arithmetic.py: the tests pin
     AVX2 kernels, so any x86-64 machine with AVX2 should); elsewhere its floats cannot hold to the last bit, and the
-    case is skipped, saying both arithmetics."""
+    case is skipped, saying both arithmetics. A golden with no arithmetic recorded fails: record it again."""
     here = fingerprint()
+    assert recorded_on(name), f"{name}: the golden says no arithmetic; python tests/golden_verdicts.py record {name}"
     if recorded_on(name) != here:
         pytest.skip(f"recorded on the arithmetic {recorded_on(name)}, this machine computes {here}")
     want = golden(name)

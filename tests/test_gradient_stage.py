@@ -91,18 +91,40 @@ def test_the_words_name_the_broadcast_the_constant_divisor_and_the_count():
                                             ("LOSS_DIVISOR", float), ("MICRO_BATCH_ORDER", str)])(8, "sequence", False,
                                                                                                  0.0, "shuffled")
     sizes, counts = [2] * 8, [4.0] * 16
-    mean = G.finding_of(G.Reading("micro_batch_mean", 1 / 64, 0.01, {}, ()), counts, sizes, spec, 5e-2, "")
+    mean = G.finding_of(G.Reading("micro_batch_mean", 1 / 64, 0.01, {}, ()), counts, sizes, spec, "")
     assert mean.no_switch and not mean.settings and "mean advantage of its micro-batch" in mean.rule, mean
     assert "divided by 32" in mean.rule and "8/32" in mean.rule, mean.rule
-    own = G.finding_of(G.Reading("own", 1 / 64, 0.01, {}, ()), counts, sizes, spec, 5e-2, "the spec's loss type")
+    own = G.finding_of(G.Reading("own", 1 / 64, 0.01, {}, ()), counts, sizes, spec, "the spec's loss type")
     assert own.no_switch and "divided by 32" in own.rule and "mean advantage" not in own.rule, own.rule
     assert own.unsettled and "the spec's loss type" in own.unsettled[0], own
-    grpo = G.finding_of(G.Reading("own", 1 / 16, 0.01, {}, ()), counts, sizes, spec, 5e-2, "")
+    grpo = G.finding_of(G.Reading("own", 1 / 16, 0.01, {}, ()), counts, sizes, spec, "")
     assert not grpo.no_switch and grpo.settings == {} and "their number (8)" in grpo.rule, grpo  # the spec's grpo
-    dapo = G.finding_of(G.Reading("own_tokens", 1 / 64, 0.01, {}, ()), counts, sizes, spec, 2e-3, "")
+    dapo = G.finding_of(G.Reading("own_tokens", 1 / 64, 0.01, {}, ()), counts, sizes, spec, "")
     assert dapo.settings == {"LOSS_NORM": "token_global"}, dapo  # 64 = the step's tokens (16 x 4)
-    mine = G.finding_of(G.Reading("own_tokens", 1 / 57.3, 0.01, {}, ()), counts, sizes, spec, 2e-3, "")
+    mine = G.finding_of(G.Reading("own_tokens", 1 / 57.3, 1e-5, {}, ()), counts, sizes, spec, "")
     assert mine.settings == {"LOSS_DIVISOR": 57.3}, mine
+    rough = G.finding_of(G.Reading("own_tokens", 1 / 57.3, 0.01, {}, ()), counts, sizes, spec, "")
+    assert rough.settings == {"LOSS_DIVISOR": 57.0}, rough  # known to +-2%: 57.3 +- 1.1, 57 the simplest within
+
+
+def test_a_scale_is_a_count_only_within_the_fits_own_uncertainty():
+    """numerics.snap at the fit's uncertainty (twice its relative residual): 32.3 known to +-3% is 32; 57.3 known
+    to +-0.01% stays 57.3 (not "57": a per-micro-batch divisor of 57.3 is no count); 8.3 known to +-1% is 8.3, not
+    TRL's 8 micro-batches."""
+    assert G._round_count(32.3, G.fit_rel(0.015)) == 32.0
+    assert G._round_count(57.3, G.fit_rel(1e-6)) == 57.3
+    assert G._round_count(8.3, G.fit_rel(0.005)) == 8.3
+    assert G.fit_rel(0.0) == 1e-4
+
+
+def test_a_gradient_of_the_other_sign_or_of_no_advantage_reads_no_form():
+    """A loss of +A x ratio (a sign flipped) fits a form with a negative scale: no form is read, `opposite` says
+    why; every advantage 0 (every weight 0) reads nothing rather than failing."""
+    x = _rows(6)
+    r = G.read_weights(x, -(x @ G.form_weights("own", ADV, COUNTS, SIZES)) / 8, ADV, COUNTS, SIZES, noise=2e-3)
+    assert r.form is None and r.opposite and r.scale == pytest.approx(-1 / 8), r
+    z = G.read_weights(x, x @ np.ones(8), [0.0] * 8, COUNTS, SIZES, noise=2e-3)
+    assert z.form is None and not z.opposite, z
 
 
 # ------------------------------------------------------------------ the stage on a loop written here --------------

@@ -4,6 +4,7 @@ loop makes them (float32 arithmetic, torch's own AdamW and clip_grad_norm_), nev
 
 from __future__ import annotations
 
+import math
 import random
 import types
 
@@ -431,6 +432,44 @@ def test_optimizer_on_bfloat16_weights_reads_the_rate_the_rounding_allows():
     assert any(u.startswith("weight decay cannot show on bfloat16") for u in f.unsettled), f.unsettled
     rows, norms = _adamw_run(7, 2e-4, (0.9, 0.999), 1e-8, 0.0, 0.0, steps=4)  # the same in float32: no bf16
     assert "MASTER_WEIGHTS" not in identify.optimizer(rows, norms, SPEC, steps_total=10).settings
+
+
+def test_a_bfloat16_step_whose_updates_all_round_to_nothing_reads_no_rate(monkeypatch):
+    """A step where no probed update left its weight's bf16 cell bounds the rate from above alone (lo = 0): it is
+    no reading (not its bound's midpoint taken as a rate), the other steps' rates are read, and the rate is not
+    settled (a step said nothing); where every step is such, no rate is read and the bound is said."""
+    import importlib
+
+    opt = importlib.import_module("harness.diagnose.identify.optimizer")  # (the package's `optimizer` is the function)
+    plain = np.array([0.5 + k * 2 ** -7 for k in range(16)])
+    p = opt._Probed(["w"], [16], [plain] * 3, [plain] * 3, [plain] * 3, [plain * 0] * 3, np.ones(16, bool), [1.0] * 3)
+    for intervals, rates in (([(1e-4, 1.02e-4), (0.0, 5e-4), (1e-4, 1.02e-4)], [1.01e-4, None, 1.01e-4]),
+                             ([(0.0, 5e-4), (0.0, 4e-4), (0.0, 6e-4)], None)):
+        monkeypatch.setattr(opt, "_bf16_intervals", lambda *_a, iv=intervals: iv)
+        f = opt._bf16_optimizer(p, [math.inf], [], SPEC, steps_total=10)
+        assert f.settings.get("MASTER_WEIGHTS") == "bfloat16" and "LR" not in f.settles, f
+        if rates is None:
+            assert "LR" not in f.settings and any(u == "the learning rate: at most 0.0004 (no probed weight moved by "
+                                                  "a bfloat16 spacing)" for u in f.unsettled), f
+        else:
+            assert f.settings.get("LR") == pytest.approx(1.01e-4, rel=0.02), f  # read from steps 1 and 3 alone
+
+
+def test_weights_held_in_bfloat16_by_hand():
+    """Every probed weight before and after is a bf16 number, one moved, and 16 or more are neither 0 nor +-1; a
+    float32 weight that moved off bf16's grid, or too few plain weights, is not told as bf16."""
+    from harness.diagnose.identify.optimizer import _Probed, held_in_bfloat16
+
+    def probed(before, after):
+        b, a = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+        return _Probed(["w"], [len(b)], [b], [a], [a - b], [a - b], np.ones(len(b), bool), [1.0])
+
+    plain = [0.5 + k * 2 ** -7 for k in range(16)]  # bf16 numbers (8 significant bits)
+    moved = [plain[0] - 2 ** -8, *plain[1:]]
+    assert held_in_bfloat16(probed(plain, moved))
+    assert not held_in_bfloat16(probed(plain, plain))  # nothing moved
+    assert not held_in_bfloat16(probed(plain, [plain[0] - 1e-5, *plain[1:]]))  # off bf16's grid: float32
+    assert not held_in_bfloat16(probed(plain[:15] + [1.0], moved[:15] + [1.0]))  # 15 plain weights only
 
 
 def test_optimizer_decay_on_every_parameter():

@@ -154,6 +154,8 @@ def test_a_loss_logged_otherwise_is_not_where_training_parts():
     assert training_divergence(cell) == {"step": 1, "metric": "loss"}
     cell["attribution_detail"][0]["loss_logged_otherwise"] = {"from_step": 1, "agrees": ["grad_norm", "param_rel_l2"]}
     assert training_divergence(cell) == {"step": 2, "metric": "grad_norm"}
+    cell["attribution_detail"][0]["loss_logged_otherwise"]["from_step"] = 3  # logged otherwise from step 3 only:
+    assert training_divergence(cell) == {"step": 1, "metric": "loss"}  # its parting at step 1 is training's
 
 
 def test_only_metrics_that_differ_get_a_curve():

@@ -21,9 +21,9 @@ _NUMBERS = re.compile(rf"\[?{_NUMBER}(?:, {_NUMBER}){{4,}}(?:, \.\.\.)?\]?")
 
 def training_divergence(cell: dict) -> dict | None:
     """Where a cell's two runs part, as its headline says it: against your loop the first metric training computes
-    to leave tolerance (loss, grad_norm, learning_rate, the final weights: not `is_derived`, nor a loss the confirmed
-    explanation found logged otherwise), ties broken by the comparator's priority; None where only statistics part. The built-in sides define their statistics alike:
-    their first divergence as it is."""
+    to leave tolerance (loss, grad_norm, learning_rate, the final weights: not `is_derived`, nor a loss the
+    confirmed explanation found logged otherwise from that step on), ties broken by the comparator's priority; None
+    where only statistics part. The built-in sides define their statistics alike: their first divergence as it is."""
     from harness.diagnose.compare import PRIORITY, is_derived
 
     fd = cell.get("first_divergence")
@@ -31,10 +31,12 @@ def training_divergence(cell: dict) -> dict | None:
         return fd
     rank = {m: i for i, m in enumerate(PRIORITY)}
     lead = (cell.get("attribution_detail") or [{}])[0]
-    # a loss the confirmed explanation found logged otherwise (its value alone parts): not where training parts
-    logged_otherwise = {"loss"} if lead.get("loss_logged_otherwise") else set()
+    # a loss the confirmed explanation found logged otherwise from some step (its value alone parts from there): not
+    # where training parts, from that step on
+    since = (lead.get("loss_logged_otherwise") or {}).get("from_step")
     trains = [(v.get("first_outside"), rank.get(m, len(rank)), m) for m, v in (cell.get("metrics") or {}).items()
-              if not is_derived(m) and m not in logged_otherwise and v.get("first_outside") is not None]
+              if not is_derived(m) and v.get("first_outside") is not None
+              and not (m == "loss" and since is not None and v["first_outside"] >= since)]
     if not trains:
         return None
     step, _rank, metric = min(trains)

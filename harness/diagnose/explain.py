@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from harness.diagnose import identify
+from harness.diagnose.as_trl import scratch_as_trl, trl_fields
 from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
 from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
@@ -39,26 +40,14 @@ from harness.diagnose.identify.selection import implied as implied_selection
 from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.search import Search, Trial, _same, one_change, trl_moves
+from harness.diagnose.search import Search, Trial, one_change, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words
-from trl_runner.translate import NORM_OF_LOSS_TYPE
 
 # the fields an exactly recomputed tensor settles (where all its alike candidates agree on them): once kept, the
 # search does not offer them again, so a change that only happens to shrink some other gap cannot undo what the
 # tensors showed (docs/your-loop.md, nano-aha-moment)
 SETTLES = {"advantages": ("ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE"),
            "mask": ("COMPLETION_MASK",), "loss": ("LOSS_NORM",)}  # not MASK_TRUNCATED: a step may have no truncation
-
-
-def trl_fields(base, changes: dict) -> dict:
-    """The GRPOConfig fields (and values) that `changes` of the spec become, relative to TRL as the spec configures
-    it (its `[trl]` table included): what to add to that table or change in it. A field the change moves is TRL's
-    whether or not `[trl]` sets it (the new value then overrides the table's); one it moves to the value TRL is
-    configured with already is left out. A change that moves no GRPOConfig field is a quirk (`trl_moves`)."""
-    from trl_runner.translate import translate
-
-    configured = translate(base).kwargs
-    return {k: v for k, v in trl_moves(base, changes).items() if k not in configured or not _same(configured[k], v)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,34 +249,39 @@ def _found(spec, search: Search, start: Start, data, log) -> Found:
     # pad id): tried with the unsure readings and alone, after them (at a tie they win), kept only if it helps
     candidate = candidates(start)
     if candidate:
-        guesses[at:at] = [g for g in ({**start.unsure, **candidate}, candidate) if g not in guesses]
+        for g in ({**start.unsure, **candidate}, candidate):  # (one guess where nothing is unsure)
+            if g not in guesses:
+                guesses.insert(at, g)
+                at += 1
     return Found(found, tuple(guesses), exact_first, tuple(notes))
 
 
+def _handed_on(start: Start) -> list[tuple[str, object, int]]:
+    """(field, value, the step it can first act at) of each candidate a stage handed on (evidence["candidate"],
+    ["candidate_step"]), less what your log or tensors settle."""
+    return [(k, v, f.evidence.get("candidate_step", 1)) for f in start.findings
+            for k, v in f.evidence.get("candidate", {}).items() if k not in start.read and k not in start.settles]
+
+
 def candidates(start: Start) -> dict:
-    """What the stages handed on as candidates (evidence["candidate"]), less what your log or tensors settle."""
-    return {k: v for f in start.findings for k, v in f.evidence.get("candidate", {}).items()
-            if k not in start.read and k not in start.settles}
+    """What the stages handed on as candidates, as one set of changes."""
+    return {k: v for k, v, _at in _handed_on(start)}
 
 
 def candidate_options(start: Start) -> list:
-    """The stages' candidates as search options, each from the step it can first act at (evidence
-    ["candidate_step"]): a round that needs it with another change finds it in a pair."""
+    """The stages' candidates as search options, each from the step it can first act at: a round that needs it with
+    another change finds it in a pair."""
     from harness.diagnose.search import Option
 
-    out = []
-    for f in start.findings:
-        at = f.evidence.get("candidate_step", 1)
-        out += [Option(k, v, at) for k, v in f.evidence.get("candidate", {}).items()
-                if k not in start.read and k not in start.settles]
-    return out
+    return [Option(k, v, at) for k, v, at in _handed_on(start)]
 
 
 def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> list[str]:
-    """The notes, with what a stage said it could not show and handed on as a candidate (the forward stage's pad id,
-    held by no completion of step 1) said as the search left it: kept (the run needed it), or not kept where the
-    kept set agrees with your loop past the first step it could act at (it would have shown: your loop does not do
-    it); else the stage's words stand (the search stopped before it could act)."""
+    """The notes, with what the forward stage said it could not show and handed on as a candidate (a rule on an id
+    no completion of step 1 holds before its end) said as the search left it: kept (the run needed it); not kept
+    where the kept set agrees with your loop through the first step it could act at (your loop does not do it, or
+    its effect stays under the tolerance: without a run that parts with it, the two are not told apart); else the
+    stage's words stand (the search stopped before it could act)."""
     out = list(notes)
     for f in findings:
         cand, at = f.evidence.get("candidate"), f.evidence.get("candidate_step")
@@ -301,9 +295,10 @@ def candidate_notes(notes: list[str], findings, changes: dict, agree: int) -> li
             now = (f"{f.stage}, found by the search: your loop {what} (step 1 could not show it: the first step whose "
                    f"completions hold the id before their end is step {at}; kept, the built-in loop needs it)")
         elif agree >= at:
-            now = (f"{f.stage}, told by the search: your loop's forward pass is not one that {what.split(' (')[0]} "
-                   f"(without it the built-in loop agrees with your loop through step {agree}, past step {at}, the "
-                   "first whose completions hold the id before their end; step 1's held none)")
+            rule = what.split(" (")[0]
+            now = (f"{f.stage}: this run could not tell: whether your loop {rule}: without it the built-in loop "
+                   f"agrees with your loop through step {agree} (from step {at} on, completions hold the id before "
+                   "their end; step 1's held none), so it does not, or its effect stays under the tolerance here")
         else:
             continue
         out[out.index(said)] = now
@@ -473,6 +468,7 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
         envelope = float32_twin(apply_alignment(base, {"set": state.changes}), list(data.records), root, "plain")
     search.warm = None  # the bf16 model: freed before the float32 one loads
     again = Search(base, yours, list(data.records), root / "search", envelope, search.log)
+    again.extra = list(search.extra)  # (a stage's candidate, offered in float32 as in bf16)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
     if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may
@@ -613,58 +609,6 @@ def _tensor_diff(spec, search: "Search", start: dict, data, log) -> dict | None:
     if said:
         log(f"    {said}")
     return found
-
-
-# the `[trl]` overrides the built-in loop can take on: GRPOConfig field -> (the spec field it translates from, that
-# field's value for a TRL value). scratch_as_trl keeps a move only where TRL's configuration comes out the same
-SCRATCH_OF_TRL = {
-    "learning_rate": ("LR", float), "beta": ("BETA", float), "use_bias_correction_kl": ("KL_IS_CORRECTION", bool),
-    "epsilon": ("CLIP_LOW", float), "epsilon_high": ("CLIP_HIGH", float), "delta": ("DELTA", lambda v: v or 0.0),
-    "loss_type": ("LOSS_NORM", NORM_OF_LOSS_TYPE.__getitem__),
-    "scale_rewards": ("ADV_SCALE", str), "num_iterations": ("NUM_ITERATIONS", int),
-    "mask_truncated_completions": ("MASK_TRUNCATED", bool), "max_completion_length": ("MAX_TOKENS", int),
-    "temperature": ("TEMPERATURE", float), "top_p": ("TOP_P", float), "top_k": ("TOP_K", int),
-    "lr_scheduler_type": ("LR_SCHEDULE", lambda v: {"constant_with_warmup": "constant"}.get(getattr(v, "value", v),
-                                                                                         getattr(v, "value", v))),
-    "lr_scheduler_kwargs": ("LR_SCHEDULER_KWARGS", dict),
-    "warmup_steps": ("WARMUP_STEPS", int), "adam_beta1": ("ADAM_BETA1", float), "adam_beta2": ("ADAM_BETA2", float),
-    "adam_epsilon": ("ADAM_EPS", float), "weight_decay": ("WEIGHT_DECAY", float),
-    "max_grad_norm": ("MAX_GRAD_NORM", float), "reward_weights": ("rewards.weights", lambda v: [float(w) for w in v]),
-}
-
-
-def scratch_as_trl(spec):
-    """The spec with the built-in loop set up as TRL is, as the spec configures it: every difference the preflight
-    lists aligned on the scratch side (its alignment of a `[trl]` override drops the override, TRL's side: no use
-    here), and every `[trl]` override the built-in loop has a field for moved into that field (SCRATCH_OF_TRL: `[trl]
-    beta = 0.01` becomes BETA = 0.01 and leaves the table), kept only where TRL's translated configuration comes out
-    the same. The search's starting point, so that what it finds is a difference from TRL as configured (a loop with
-    the table's KL weight has no KL to find), and a change of a moved field is the GRPOConfig field it sets."""
-    from harness.diagnose.preflight import preflight
-    from trl_runner.translate import translate
-
-    _tr, diffs, _facts = preflight(spec)
-    sets = {}
-    for d in diffs:
-        sets.update(d.align.get("set", {}))
-    aligned = apply_alignment(spec, {"set": sets}) if sets else spec
-    target = translate(aligned).kwargs
-    moved: dict = {}  # [trl] key -> (spec field, value)
-    for _ in range(2):  # a move may need another first (warmup_steps before lr_scheduler_type "constant_with_warmup")
-        for key, value in aligned.trl.items():
-            if key in moved or key not in SCRATCH_OF_TRL:
-                continue
-            field, as_spec = SCRATCH_OF_TRL[key]
-            try:
-                trial = {**moved, key: (field, as_spec(value))}
-                kw = translate(apply_alignment(aligned, {"set": dict(trial.values()), "drop_trl": list(trial)})).kwargs
-            except Exception:  # noqa: BLE001 - a value the spec field refuses (None, a loss_type it lacks) stays in [trl]
-                continue
-            if kw.keys() == target.keys() and all(_same(kw[k], target[k]) for k in kw):
-                moved = trial
-    if not moved:
-        return aligned
-    return apply_alignment(aligned, {"set": dict(moved.values()), "drop_trl": list(moved)})
 
 
 def _trl_check(spec, trl: dict, data, folder: Path, value_only: int | None = None) -> bool:

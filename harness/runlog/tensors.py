@@ -121,3 +121,10 @@ def read_trained(path: str | Path) -> dict[int, list[tuple[int, int]]]:
             raise ValueError(f"{path.name}:{n}: step must be an integer from 1, got {step!r}")
         out.setdefault(step, []).extend(pairs)
     return out
+
+
+def probe_indices(numel: int, per_param: int = 32) -> list[int]:
+    """The flat indices Probe reads of a parameter of `numel` elements: `per_param` evenly spaced (all of a smaller
+    one). The harness finds them again from a probed parameter's size and how many values it saved."""
+    k = min(per_param, numel)
+    return sorted({i * numel // k for i in range(k)})

@@ -29,11 +29,12 @@ up to each completion's length where said), reachable here as `identify.<name>`:
                                                                      end, raw logits, dtype)
     weighting.py   weighting(per_token_loss, mask, loss, ...)        how per-token losses become the loss (TRL's loss
                                                                      types, or a divisor)
-    gradient.py    read_weights(rows_grad, grad, advantages, ...)    the weighting again from step 1's gradient (the
-                                                                     Probe's slice against each completion's own at
-                                                                     the initial weights): what the loss's value
-                                                                     cannot show (a constant divisor of a mean over
-                                                                     completions, an advantage broadcast)
+    gradient.py    read_weights(rows_grad, grad, advantages, ...)    the weighting again from the first training
+                                                                     step's gradient (the Probe's slice against each
+                                                                     completion's own at the initial weights): what
+                                                                     the loss's value cannot show (a constant divisor
+                                                                     of a mean over completions, an advantage
+                                                                     broadcast)
     objective.py   objective(per_token_loss, advantages, logps, ...) the per-token objective: ratio form, KL estimator
                                                                      and weight, clip bounds, importance sampling
     optimizer.py   optimizer(probe_rows, grad_norms)                 Adam's learning rate per step, betas, epsilon,
@@ -128,17 +129,22 @@ def _divisors(weighting: list[Finding]) -> list[Finding]:
 
 
 def _gradient(cell, found: dict) -> list[Finding]:
-    """The weighting read from step 1's gradient (gradient.py), or nothing where it cannot be computed (a model or
-    tensors of another shape: the other stages' readings stand)."""
+    """The weighting read from the first training step's gradient (gradient.py), or nothing where it cannot be
+    computed (a model or tensors of another shape: the other stages' readings stand); what stopped it is warned of,
+    never dropped unsaid."""
+    import warnings
+
     try:
         return _read_gradient(cell, found)
-    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, RuntimeError, OSError):
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, RuntimeError, OSError) as e:
+        warnings.warn(f"the gradient stage was skipped, the loss's value read alone: {type(e).__name__}: {e}",
+                      stacklevel=2)
         return []
 
 
 def _by_gradient(weighting: list[Finding], gradient: list[Finding]) -> list[Finding]:
-    """Where step 1's gradient (gradient.py: the Probe's slice against each completion's gradient at the initial
-    weights) gives another weighting than the loss's value read, the gradient's reading is the weighting: a value is
+    """Where the first training step's gradient (gradient.py: the Probe's slice against each completion's gradient at
+    the initial weights) gives another weighting than the loss's value read, the gradient's reading is the weighting: a value is
     one number a step (0 at a ratio of 1 for a mean over completions of centred advantages, however it is divided),
     the gradient hundreds; what the value read at step 1 is said as what it could not tell (and what your loop logs,
     read from the value, is kept)."""

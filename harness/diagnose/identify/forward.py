@@ -93,7 +93,8 @@ def forward(saved, prompts, completions, score, spec, pad_id, eos_ids, step=1,
     if not exact:
         closest = min(fits, key=lambda x: x[1])
         said = _said(closest[0].settings) or "TRL's"
-        return Finding("forward", step, f"{what.replace('your ', 'your loop' + chr(39) + 's ', 1)} at step {step} "
+        whose = what.replace("your ", "your loop's ", 1)
+        return Finding("forward", step, f"{whose} at step {step} "
                        f"differ from TRL's in {rows} of {len(mine)} rows, and no forward rule tried reproduces them "
                        f"(closest: {said}, {closest[1]:.3g} off)", {}, False, no_switch=True, evidence=ev)
     best, fit, uncompared = exact[0]
@@ -234,7 +235,8 @@ def beyond_step_1(cell, first) -> Finding | None:
         return None
     later = next((s for s in steps(cell) if s.step == at), None)  # (its saved tensors, where it saved them)
     ref = later.tensors.get("ref_logps") if later is not None else None
-    if _rows_of(ref, len(later.completions)) and all("prompt_ids" in cell.records[r] for r, _ in later.rows):
+    if later is not None and _rows_of(ref, len(later.completions)) and all("prompt_ids" in cell.records[r]
+                                                                            for r, _ in later.rows):
         prompts = [cell.records[r]["prompt_ids"][i] for r, i in later.rows]
         score = _cached(_scorer(cell, prompts, later.completions))
         if _initial(ref, later.completions, score({}), pad, getattr(cell.spec, "DTYPE", "float32")):

@@ -120,78 +120,92 @@ def implied(spec, advantages, counts, sizes, max_tokens: int) -> np.ndarray | No
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
-    """What step 1's gradient says of the weighting: the form that fits, its scale, how well, and the rest."""
+    """What the first training step's gradient says of the weighting: the form that fits, its scale, how well, and
+    the rest."""
     form: str | None  # None: no form fits (a per-token weight, an importance-sampling ratio, ...)
     scale: float
     residual: float
     fits: dict  # form -> (c, residual)
     alike: tuple  # other forms that fit as well (the same vector at this step)
+    opposite: bool = False  # the form that fits does so with a negative scale: the loss's sign is the other one
 
 
 def read_weights(rows_grad, grad, advantages, counts, sizes, noise: float) -> Reading:
     """The form of FORMS whose weights, in a scale of their own, give the probed gradient within `noise`, and at
-    least `APART` times better than every form that is another vector at this step; forms whose weights are the same
-    vector up to scale (every completion as long, micro-batches of one) are alike, and the first of FORMS is said.
-    Where none is that clear, `form` is None."""
+    least `APART` times better than every form that is another vector at this step (a form within `noise` or within
+    `APART` of the best is a rival); forms whose weights are the same vector up to scale (every completion as long,
+    micro-batches of one) are alike, and the first of FORMS is said. Where none is that clear, where every weight is 0
+    (no advantage to train on), or where the fit's scale is negative (`opposite`), `form` is None."""
     shapes = {f: form_weights(f, advantages, counts, sizes) for f in FORMS}
     fits = {f: fit_scale(rows_grad, grad, w) for f, w in shapes.items()}
     top = min(FORMS, key=lambda f: (fits[f][1], FORMS.index(f)))
     res = fits[top][1]
-    same = [f for f in FORMS if _alike(shapes[f], shapes[top])]  # (top among them)
+    same = [f for f in FORMS if _alike(shapes[f], shapes[top])]  # (top among them; none where every weight is 0)
+    if not same or not math.isfinite(res):
+        return Reading(None, 0.0, res, fits, ())
     best = min(same, key=FORMS.index)
     rivals = [f for f in FORMS if f not in same and fits[f][1] <= max(APART * res, noise)]
-    if not math.isfinite(res) or res > noise or rivals:
+    if res > noise or rivals:
         return Reading(None, 0.0, res, fits, tuple(rivals))
+    if fits[best][0] <= 0:  # the gradient of +A x ratio: a loss of the other sign, which no divisor or count gives
+        return Reading(None, fits[best][0], res, fits, (), opposite=True)
     return Reading(best, fits[best][0], res, fits, tuple(f for f in same if f != best))
 
 
 # ---------------------------------------------------------------------------------------------
 # words and settings
 # ---------------------------------------------------------------------------------------------
-def _round_count(x: float, rel: float = 0.02) -> int | None:
-    """x as a whole count, where it is one within `rel`."""
-    k = round(x)
-    return k if k >= 1 and abs(x - k) <= rel * x else None
+def fit_rel(residual_: float) -> float:
+    """The relative uncertainty of a scale fitted with relative residual `residual_` (the part of the error along
+    the fitted direction is of the order of the part across it), floored at float32's 1e-4."""
+    return max(2 * residual_, 1e-4)
 
 
-def _micro_batch_words(c: float, sizes, n: int, noise: float) -> tuple[str, int | None]:
-    """How a per-completion mean's scale `c` (the weight of one completion's mean) divides, against the micro-batches
-    (`sizes`, equal): (words, the constant each micro-batch's mean is divided by, or None where it is the
-    micro-batches' own count)."""
+def _round_count(x: float, rel: float) -> float:
+    """x with the fewest digits within its relative uncertainty `rel` (numerics.snap: 32.3 known to +-3% is 32,
+    57.3 known to +-0.01% stays 57.3); a count where that is a whole number."""
+    from harness.diagnose.identify.numerics import snap
+
+    return snap(x, rel * abs(x), nice=())
+
+
+def _micro_batch_words(c: float, sizes, n: int, rel: float) -> tuple[str, float | None]:
+    """How a per-completion mean's scale `c` (> 0: the weight of one completion's mean, known to a relative `rel`)
+    divides, against the micro-batches (`sizes`): (words, the constant each micro-batch's mean is divided by, or None
+    where it is the micro-batches' own count; micro-batches of several sizes: the divisor of the sum of the
+    completions' means, None where it is their count)."""
     m = len(sizes)
     k = sizes[0] if sizes and len(set(sizes)) == 1 else None
-    rel = max(2 * noise, 0.01)
     if k is None:  # micro-batches of several sizes: the mean over the completions' count alone
-        d = _round_count(1 / c, rel) if c > 0 else None
-        return (f"divides the sum of its completions' means by {d if d else f'{1 / c:.4g}'} (its {n} completions "
-                "give TRL's grpo)", None if d == n else d or 0)
-    per = 1 / (c * k) if c > 0 else math.inf  # each micro-batch's mean over its k completions, divided by this
-    d = _round_count(per, rel) if math.isfinite(per) else None
+        d = _round_count(1 / c, rel)
+        return (f"divides the sum of its completions' means by {d:g} (its {n} completions give TRL's grpo)",
+                None if d == n else d)
+    d = _round_count(1 / (c * k), rel)  # each micro-batch's mean over its k completions, divided by this
     if d == m:
         return f"over micro-batches of {k}, each micro-batch's mean divided by their number ({m})", None
-    shown = d if d else float(f"{per:.4g}")
-    return (f"over micro-batches of {k}, each micro-batch's mean divided by {shown:g}, a constant of its own "
-            f"(its {m} micro-batches would give a mean over the round's completions: its gradient is {m}/{shown:g} "
-            "of that)", d or 0)
+    return (f"over micro-batches of {k}, each micro-batch's mean divided by {d:g}, a constant of its own "
+            f"(its {m} micro-batches would give a mean over the round's completions: its gradient is {m}/{d:g} "
+            "of that)", d)
 
 
-def _token_settings(c: float, counts, n: int, max_tokens: int, noise: float) -> tuple[dict, str]:
-    """A token sum of scale c: the loss type or constant divisor that gives it, and its words."""
+def _token_settings(c: float, counts, n: int, max_tokens: int, rel: float) -> tuple[dict, str]:
+    """A token sum of scale c (> 0, known to a relative `rel`): the loss type or constant divisor that gives it, and
+    its words."""
     from harness.diagnose.identify.weighting import _NAMES
 
-    d = 1 / c if c > 0 else math.inf
-    total, rel = float(np.sum(counts)), max(2 * noise, 1e-3)
+    d = 1 / c
+    total = float(np.sum(counts))
     for norm, count in (("token_global", total), ("constant", n * max_tokens)):
         if abs(d - count) <= rel * count:
             return {"LOSS_NORM": norm}, _NAMES[norm]
     if abs(d - 1) <= rel:
         return {"LOSS_SUM": True}, _NAMES["sum"]
-    return {"LOSS_DIVISOR": float(f"{d:.5g}")}, f"divides the masked per-token losses' sum by {d:.5g}"
+    d = _round_count(d, rel)
+    return {"LOSS_DIVISOR": d}, f"divides the masked per-token losses' sum by {d:g}"
 
 
-def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, zero_loss: bool = False,
-               step: int = 1) -> Finding:
-    """The weighting stage's finding from the gradient's reading `r` (step 1), against the spec's weighting: the
+def finding_of(r: Reading, counts, sizes, spec, said_value: str, zero_loss: bool = False, step: int = 1) -> Finding:
+    """The weighting stage's finding from the gradient's reading `r` (at `step`), against the spec's weighting: the
     built-in loop's settings where it has a switch for it, else named as what no switch reproduces. `said_value`:
     what the loss's value read, said as what it could not tell."""
     from harness.diagnose.identify.numerics import _same
@@ -205,8 +219,9 @@ def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, z
           "fits": {f: [c, res] for f, (c, res) in r.fits.items()}}
     lead = f"your loop's gradient at step {step} (the Probe's slice, at the initial weights) says its loss "
     settings, no_switch = {}, False
+    rel = fit_rel(r.residual)
     if r.form in ("own", "micro_batch_mean"):
-        scale, d = _micro_batch_words(r.scale, sizes, n, noise)
+        scale, d = _micro_batch_words(r.scale, sizes, n, rel)
         what = ("averages each completion's per-token terms" if r.form == "own" else
                 "weights each completion's per-token mean by the mean advantage of its micro-batch, not by its own "
                 "(advantages shaped (B, 1) against a per-completion term shaped (B,): `(term * advantages).mean()` "
@@ -219,19 +234,18 @@ def finding_of(r: Reading, counts, sizes, spec, noise: float, said_value: str, z
             no_switch = True
             rule += ": no TRL setting and no switch of the built-in loop reproduces it"
     elif r.form == "own_tokens":
-        settings, words = _token_settings(r.scale, counts, n, max_tokens, noise)
+        settings, words = _token_settings(r.scale, counts, n, max_tokens, rel)
         rule = f"{lead}{words}"
     elif r.form == "own_micro_batch_tokens":
         m = len(sizes)
-        per = 1 / r.scale if r.scale > 0 else math.inf
-        d = _round_count(per, max(2 * noise, 0.01)) if math.isfinite(per) else None
+        d = _round_count(1 / r.scale, rel)
         if d == m:
             settings = {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout"}
-            rule = f"{lead}divides each micro-batch's masked sum by its own loss tokens, then averages over its {m} " \
-                   "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)"
+            rule = (f"{lead}divides each micro-batch's masked sum by its own loss tokens, then averages over its {m} "
+                    "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)")
         else:
             no_switch = True
-            rule = (f"{lead}divides each micro-batch's masked sum by its own loss tokens and by {per:.4g} (its {m} "
+            rule = (f"{lead}divides each micro-batch's masked sum by its own loss tokens and by {d:g} (its {m} "
                     "micro-batches would give TRL's bnpo): no switch of the built-in loop reproduces it")
     else:  # micro_batch_mean_tokens
         no_switch = True
@@ -270,7 +284,8 @@ def read(cell, earlier: dict) -> list[Finding]:
     if "per_token_loss" in t and not _objective_as_formed(earlier, cell.spec, step):
         return []  # (the per-token loss is not -A x ratio of the advantages saved: the forms' weights are not its)
     spec = _forward_spec(cell, earlier)
-    counts = [float(np.sum(np.asarray(m[:len(c)], dtype=np.float64))) for m, c in zip(t["mask"], first.completions)]
+    # each completion's loss tokens as its gradient column counts them (ended where the forward stage found it ended)
+    counts = [float(np.sum(np.asarray(m[:len(c)], dtype=np.float64))) for m, c in zip(t["mask"], _ended(spec, first))]
     parts = t.get("micro_batches")
     sizes = list(parts) if isinstance(parts, list) and sum(parts) == n else \
         [n // spec.GRAD_ACCUM] * spec.GRAD_ACCUM if n % spec.GRAD_ACCUM == 0 else [n]
@@ -286,6 +301,11 @@ def read(cell, earlier: dict) -> list[Finding]:
         value.rule.removeprefix("your loop ")
     loss = _number(t["loss"]) if "loss" in t else math.nan
     r = read_weights(rows_grad, grad, adv, counts, sizes, noise)
+    if r.opposite:
+        return [Finding("weighting", step, f"your loop's gradient at step {step} (the Probe's slice, at the initial "
+                        "weights) is that of +A x ratio, the opposite sign of the loss -A x ratio every loss type "
+                        "takes: no TRL setting and no switch of the built-in loop reproduces it", {}, True,
+                        no_switch=True, evidence={"from_gradient": True, "scale": r.scale, "residual": r.residual})]
     if r.form is None:
         expected = float(np.linalg.norm(np.asarray(rows_grad) @ mine)) if mine is not None else 0.0
         if expected and float(np.linalg.norm(grad)) <= noise * expected:  # nothing where the value's reading has some
@@ -293,7 +313,7 @@ def read(cell, earlier: dict) -> list[Finding]:
         return []
     if mine is not None and residual(rows_grad, grad, mine) <= max(2 * r.residual, noise):
         return []  # the value's reading gives this gradient too
-    return [finding_of(r, counts, sizes, spec, noise, said, zero_loss=abs(loss) <= 1e-6, step=step)]
+    return [finding_of(r, counts, sizes, spec, said, zero_loss=abs(loss) <= 1e-6, step=step)]
 
 
 def _first_training_step(cell):
@@ -324,7 +344,8 @@ def vanishing(grad, expected: float, advantages, sizes, spec, said_value: str, s
     is 0 (the broadcast of a loop whose micro-batches hold whole groups of centred advantages), or no form says why."""
     a = np.asarray(advantages, dtype=np.float64)
     ratio = float(np.linalg.norm(grad)) / expected
-    than = f"|gradient| {ratio:.1g} of what {said_value or 'the spec' + chr(39) + 's loss type'} gives"
+    what = said_value or "the spec's loss type"
+    than = f"|gradient| {ratio:.1g} of what {what} gives"
     lead = f"your loop's gradient at step {step} (the Probe's slice, at the initial weights) "
     means = micro_batch_means(a, sizes)
     if np.any(np.abs(a) > 0) and np.all(np.abs(means) <= 1e-5 * np.max(np.abs(a))):
@@ -363,6 +384,13 @@ def _forward_spec(cell, earlier: dict):
     return dataclasses.replace(cell.spec, **fwd.settings) if fwd is not None else cell.spec
 
 
+def _ended(spec, first) -> list:
+    """The step's completions, each ended at its first END_AT_ID where the forward pass ends it there."""
+    from scratch_grpo import core
+
+    return core.end_at_id(first.completions, spec.END_AT_ID) if spec.END_AT_ID >= 0 else first.completions
+
+
 def _row_gradients(cell, spec, first, probe) -> tuple[np.ndarray, np.ndarray] | None:
     """(elements x completions: each completion's mean log-prob gradient over its mask's tokens, at the initial
     weights, on the probed elements; the Probe's gradient there), or None where the probed weights at that step are
@@ -371,9 +399,8 @@ def _row_gradients(cell, spec, first, probe) -> tuple[np.ndarray, np.ndarray] | 
 
     from harness.diagnose.identify.forward import pass_rules
     from harness.experiment.models import autocast_for, checkpoint_dir, load_model
-    from harness.loop import probe_indices
     from harness.rollouts.generate import pad_left, pad_right
-    from scratch_grpo import core
+    from harness.runlog.tensors import probe_indices
     from scratch_grpo.train import completion_forward
 
     model = load_model(checkpoint_dir(spec), getattr(spec, "MASTER_WEIGHTS", "float32"), "cpu")
@@ -385,14 +412,13 @@ def _row_gradients(cell, spec, first, probe) -> tuple[np.ndarray, np.ndarray] | 
             return None
         idx = probe_indices(int(p.numel()), len(before))
         if p.detach().reshape(-1)[idx].float().tolist() != [float(x) for x in before]:
-            return None  # not the initial weights at step 1 (or not the dtype they are held in)
+            return None  # not the initial weights at that step (or not the dtype they are held in)
         picks.append((p, idx))
     grad = np.concatenate([np.asarray(g, dtype=np.float64) for g in probe["grad"]])
     rules = pass_rules(spec, cell.eos_ids)
     temperature = 1.0 if spec.LOGP_ON_RAW_LOGITS else spec.TEMPERATURE
-    comps = core.end_at_id(first.completions, spec.END_AT_ID) if spec.END_AT_ID >= 0 else first.completions
     cols = []
-    for (r, i), c, m in zip(first.rows, comps, first.tensors["mask"]):
+    for (r, i), c, m in zip(first.rows, _ended(spec, first), first.tensors["mask"]):
         model.zero_grad(set_to_none=True)
         p_ids, p_mask = pad_left([cell.records[r]["prompt_ids"][i]], cell.pad_id)
         c_ids, c_mask = pad_right([c], cell.pad_id)

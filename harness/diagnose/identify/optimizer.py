@@ -160,12 +160,7 @@ def optimizer(probe_rows: list[dict], grad_norms: list[float], spec=None, steps_
     settings, words, unsettled = _learning_rate(known, res, steps_total, spec)
     settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
     words.append(f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}")
-    for what, alike in (("Adam's beta1", alike_b1), ("Adam's beta2", alike_b2)):
-        if len(alike) > 1:
-            unsettled.append(f"{what}: {', '.join(f'{x:g}' for x in alike)} fit the probed steps alike")
-    if len(alike_eps) > 1:
-        unsettled.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above "
-                         "it)")
+    unsettled += _alike_words(alike_b1, alike_b2, alike_eps, "the probed steps")
     wds = [w for w in wds if w is not None]
     for part in (_weight_decay(p, b1, b2, eps, clip, wds), _clipping(clip, alike_clip, finite, spec)):
         settings.update(part[0])
@@ -268,6 +263,15 @@ def _learning_rate(known: list, res: float, steps_total: int | None, spec=None) 
                          "schedule cannot be told")
     settings["LR_SCHEDULE"] = "constant"
     return settings, [f"steps Adam at a learning rate of {peak:g} (constant)"], unsettled
+
+
+def _alike_words(alike_b1, alike_b2, alike_eps, fitted: str) -> list[str]:
+    """What the run could not tell of Adam's betas and epsilon: each with more than one value that fits `fitted`."""
+    out = [f"{what}: {', '.join(f'{x:g}' for x in alike)} fit {fitted} alike"
+           for what, alike in (("Adam's beta1", alike_b1), ("Adam's beta2", alike_b2)) if len(alike) > 1]
+    if len(alike_eps) > 1:
+        out.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above it)")
+    return out
 
 
 def _schedule_words(fit) -> str:
@@ -502,18 +506,21 @@ def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: in
     alike_eps = [e for e in _ADAM_EPS if _fits(_bf16_intervals(p, b1, b2, e, clip))] or [1e-8]
     eps = prefer(alike_eps, getattr(spec, "ADAM_EPS", None))
     intervals = _bf16_intervals(p, b1, b2, eps, clip)
-    known = [(t, (iv[0] + iv[1]) / 2) for t, iv in enumerate(intervals) if iv is not None]
-    width = max((iv[1] - iv[0]) / max(iv[0] + iv[1], 1e-300) for iv in intervals if iv is not None)
+    # a step where no probed update left its weight's bf16 cell bounds the rate from above alone (lo = 0): no reading
+    known = [(t, (iv[0] + iv[1]) / 2) for t, iv in enumerate(intervals) if iv is not None and iv[0] > 0]
+    if not known:
+        top = min(iv[1] for iv in intervals if iv is not None)
+        return Finding("optimizer", None, f"your loop {said_bf16}; every probed update rounded to nothing, so its "
+                       f"learning rate is known only to be at most {top:.3g}", _changed(settings, spec), True,
+                       same_as_spec=False, unsettled=(f"the learning rate: at most {top:.3g} (no probed weight moved "
+                                                      "by a bfloat16 spacing)",),
+                       evidence={"bfloat16_weights": True}, settles=("MASTER_WEIGHTS", "DTYPE"))
+    width = max((intervals[t][1] - intervals[t][0]) / (intervals[t][0] + intervals[t][1]) for t, _ in known)
     rates, words, unsettled = _learning_rate(known, width, steps_total, spec)
     settings.update(rates)
     settings["ADAM_BETA1"], settings["ADAM_BETA2"], settings["ADAM_EPS"] = b1, b2, eps
     words = [said_bf16 + ":", *words, f"with betas ({b1:g}, {b2:g}) and epsilon {eps:g}"]
-    for what, alike in (("Adam's beta1", alike_b1), ("Adam's beta2", alike_b2)):
-        if len(alike) > 1:
-            unsettled.append(f"{what}: {', '.join(f'{x:g}' for x in alike)} fit the probed steps' rounded updates alike")
-    if len(alike_eps) > 1:
-        unsettled.append(f"Adam's epsilon: {', '.join(f'{x:g}' for x in alike_eps)} fit alike (gradients far above "
-                         "it)")
+    unsettled += _alike_words(alike_b1, alike_b2, alike_eps, "the probed steps' rounded updates")
     rate = settings.get("LR", getattr(spec, "LR", 0.0)) or 1e-300
     unsettled.append(f"weight decay cannot show on bfloat16 weights: a decay multiplies each weight by 1 - lr x wd, "
                      f"which rounds back to the weight itself below wd = {2 ** -9 / rate:.3g} at this rate")
@@ -522,7 +529,8 @@ def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: in
     words += part[1]
     unsettled += part[2]
     settings = _changed(settings, spec)
-    settles = ("MASTER_WEIGHTS", "DTYPE") + _optimizer_settles(len(known) == len(intervals) and len(known) >= 2,
+    every = len(known) == len(intervals) and len(known) >= 2  # (every probed step read a rate)
+    settles = ("MASTER_WEIGHTS", "DTYPE") + _optimizer_settles(every,
                                                                alike_b1, alike_b2, alike_eps, unsettled)
     settles = tuple(k for k in settles if k not in ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL"))
     if any(u.startswith("the learning rate per step") for u in unsettled):
