@@ -163,10 +163,13 @@ FIELDS = {
         "loaded in bfloat16, model_init_kwargs dtype = \"bfloat16\"; the harness's TRL side loads it as "
         "MASTER_WEIGHTS says)" if v == "bfloat16" else "holds float32 master weights"), trl_fixed="float32"),
     "LOGITS_DTYPE": Field(
-        None, words=lambda v: f"takes its log_softmax on {v} logits (cast before the temperature; TRL: float32)",
+        # TRL's selective_log_softmax takes it in the logits' own dtype: float32 with float32 weights, or under
+        # autocast (log_softmax is one of autocast's float32 ops); it never casts the logits down
+        None, words=lambda v: f"takes its log_softmax on {v} logits (cast before the temperature; TRL: the "
+                              "logits' own dtype, never cast down)",
         trl_fixed="float32", quantity="log_softmax dtype", preflight_words={
-            "*": "takes its log_softmax on low-precision logits (`logits.to(bfloat16)`); TRL takes it in float32 and "
-                 "has no option not to"}),
+            "*": "takes its log_softmax on logits cast down (`logits.to(bfloat16)`); TRL takes it in the logits' own "
+                 "dtype (float32 with float32 weights or under autocast) and has no option to cast them"}),
     "KL_ESTIMATOR": Field(
         None, ("k1", "k2"), 1, lambda v: f"estimates the KL with {v} instead of k3",  # (k3's gradient is 0 at 1)
         trl_fixed="k3", quantity="KL estimator", preflight_words={
