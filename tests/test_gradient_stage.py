@@ -295,3 +295,19 @@ def test_a_step_after_steps_with_no_gradient_is_read_at_the_initial_weights(setu
     found = G.read(cell(0.0), {})
     assert len(found) == 1 and found[0].step == 2 and "divided by 16" in found[0].rule, found
     assert G.read(cell(0.3), {}) == []  # step 1 trained (somewhere off the probed slice): step 2's weights unknown
+
+
+def test_final_weights_apart_on_a_gradient_of_rounding_are_said_as_such(tmp_path):
+    """A confirmed set whose final weights still part: where the gradient stage read a broadcast over whole groups (a
+    gradient of rounding alone at every step), the words say the weights move on rounding, not 'log grad_norm'."""
+    from harness.diagnose.explain_words import confirmed_words
+    from harness.diagnose.identify.finding import Finding
+
+    final = {"outside": ["param_rel_l2"], "first_divergence": {"step": 12, "metric": "param_rel_l2"}}
+    vanishing = Finding("weighting", 1, "all but 0", {"ADV_MICRO_BATCH_MEAN": True}, True,
+                        evidence={"from_gradient": True, "form": "micro_batch_mean", "vanishing": 2e-8})
+    quirks = {"ADV_MICRO_BATCH_MEAN": True}
+    said = confirmed_words({}, quirks, tmp_path / "t.toml", final, None, None, "float32", (vanishing,))
+    assert "rounding alone" in said and "log grad_norm" not in said, said
+    plain = confirmed_words({}, quirks, tmp_path / "t.toml", final, None, None, "float32")
+    assert "log grad_norm" in plain and "rounding alone" not in plain, plain
