@@ -136,6 +136,19 @@ def shape_advantages(advantages: torch.Tensor, l_mask: torch.Tensor, drop_zero: 
     return advantages, l_mask
 
 
+def micro_batch_mean_advantage(advantages: torch.Tensor) -> torch.Tensor:
+    """A quirk (TRL has none like it): one micro-batch's advantages, each replaced by their mean (a loop whose
+    advantages (B, 1) meet a per-completion term (B,): `(term * advantages).mean()` is mean(term) x mean(advantages),
+    every completion weighted by the micro-batch's mean advantage). The same shape as `advantages`."""
+    return advantages.mean().expand_as(advantages).clone() if advantages.numel() else advantages
+
+
+def accumulation_divisor(micro_batches: int, constant: float = 0.0) -> float:
+    """What each micro-batch's loss is divided by: the number of micro-batches (TRL's gradient_accumulation_steps),
+    or a constant of the loop's own where one is given (> 0, a quirk)."""
+    return float(constant) if constant > 0 else float(micro_batches)
+
+
 def shape_rewards(rewards: torch.Tensor, clip: float = 0.0, seq_kl: torch.Tensor | None = None,
                   beta: float = 0.0) -> torch.Tensor:
     """Two quirks of hand-written loops on the summed reward r_i (TRL does neither): clip it to [-clip, clip]
@@ -402,7 +415,7 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Ten
     return loss, rho
 
 
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, norm: str, grad_accum: int,
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, norm: str, grad_accum: float,
                    max_tokens: int | None = None, step_tokens: float | None = None) -> torch.Tensor:
     """One micro-batch's share of the step loss; summed over the step's micro-batches it is the step loss.
 

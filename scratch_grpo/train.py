@@ -333,7 +333,10 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 old = torch.where(b.fresh[mb].unsqueeze(1), logp.detach(), old)
             if spec.LOGP_OLD == "current":  # a quirk: the ratio is 1 at every step (REINFORCE-style loops)
                 old = logp.detach()
-            per_token, rho = core.clipped_surrogate(logp, old, adv[mb], spec.CLIP_LOW, spec.CLIP_HIGH,
+            a_mb = adv[mb]
+            if spec.ADV_MICRO_BATCH_MEAN:  # a quirk: the micro-batch's mean advantage for each of its completions
+                a_mb = core.micro_batch_mean_advantage(a_mb)
+            per_token, rho = core.clipped_surrogate(logp, old, a_mb, spec.CLIP_LOW, spec.CLIP_HIGH,
                                                     spec.DELTA or None)
             if b.is_w is not None:
                 per_token = per_token * b.is_w[mb]
@@ -347,7 +350,8 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
                 stats["kl"] = core.masked_mean(kl.detach(), mask)
             loss = core.aggregate_loss(per_token, b.l_mask[mb].float(),
                                        "sum" if spec.LOSS_SUM or spec.LOSS_DIVISOR else spec.LOSS_NORM,
-                                       ga, spec.MAX_TOKENS, step_tokens)
+                                       core.accumulation_divisor(ga, spec.ACCUM_DIVISOR), spec.MAX_TOKENS,
+                                       step_tokens)
             if spec.LOSS_DIVISOR:  # a quirk: the step's sum over a constant of the loop's own
                 loss = loss / spec.LOSS_DIVISOR
             if capture:
@@ -358,7 +362,7 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
             if not skip:
                 loss.backward()
                 step_loss += loss.item()
-            stats.update(core.clip_stats(rho.detach(), adv[mb], mask, spec.CLIP_LOW, spec.CLIP_HIGH))
+            stats.update(core.clip_stats(rho.detach(), a_mb, mask, spec.CLIP_LOW, spec.CLIP_HIGH))
             mb_stats.append(stats)
         clip_to = spec.MAX_GRAD_NORM if spec.MAX_GRAD_NORM > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_to).item()

@@ -161,6 +161,32 @@ def test_step_sums_match_over_micro_batches():
     close(total, 16 / 6)
 
 
+def test_micro_batch_mean_advantage_by_hand():
+    # a micro-batch's advantages [1.5, -0.5, 2.0]: mean (1.5 - 0.5 + 2) / 3 = 1.0, each completion's now 1.0
+    a = torch.tensor([1.5, -0.5, 2.0])
+    close(core.micro_batch_mean_advantage(a), [1.0, 1.0, 1.0])
+    close(a, [1.5, -0.5, 2.0])  # (its own advantages untouched: a copy)
+    # the (B, B) broadcast it reproduces: terms t = [2, 4, 6] (B,) against a (B, 1): (t * a).mean() is
+    # mean(t) x mean(a) = 4 x 1 = 4, each term weighted by the mean advantage: (2 + 4 + 6) x 1 / 3 = 4 ...
+    t = torch.tensor([2.0, 4.0, 6.0])
+    close((t * a.view(-1, 1)).mean(), 4.0)
+    close((t * core.micro_batch_mean_advantage(a)).mean(), 4.0)
+    close((t * a).mean(), (3.0 - 2.0 + 12.0) / 3)  # ... not each by its own: 13 / 3
+    # at a ratio of 1 the per-token loss is -mean(A) on every token of every completion
+    loss, _ = core.clipped_surrogate(torch.zeros(3, 2), torch.zeros(3, 2), core.micro_batch_mean_advantage(a), 0.2, 0.2)
+    close(loss, -torch.ones(3, 2))
+    assert core.micro_batch_mean_advantage(torch.zeros(0)).numel() == 0  # an empty micro-batch stays empty
+
+
+def test_accumulation_divisor_by_hand():
+    assert core.accumulation_divisor(2) == 2.0 and core.accumulation_divisor(2, 0.0) == 2.0  # their number (TRL)
+    assert core.accumulation_divisor(2, 8.0) == 8.0  # a constant of the loop's own
+    # sequence over 8 in place of 2: means 2 and 4 -> 3, / 8 = 0.375 (a quarter of grad_accum 2's 1.5)
+    close(core.aggregate_loss(PER_TOKEN, MASK, "sequence", core.accumulation_divisor(2, 8.0)), 0.375)
+    # token_local: 10 / 4 tokens = 2.5, / 8 = 0.3125
+    close(core.aggregate_loss(PER_TOKEN, MASK, "token_local", core.accumulation_divisor(2, 8.0)), 0.3125)
+
+
 def test_aggregate_rejects_unknown():
     with pytest.raises(ValueError, match="unknown loss normalization"):
         core.aggregate_loss(PER_TOKEN, MASK, "tokens", 1)

@@ -53,6 +53,28 @@ def test_implied_weights_of_each_loss_type_by_hand():
     assert got == pytest.approx([-2 / 6, 1 / 6, -2 / 10, 8 / 10])
 
 
+def test_implied_weights_of_the_micro_batch_switches_by_hand():
+    """ADV_MICRO_BATCH_MEAN (each completion weighted by its micro-batch's mean advantage) and ACCUM_DIVISOR (each
+    micro-batch's loss over a constant, not over their number), worked by hand on two micro-batches of 2."""
+    a, t, sizes = [1.0, 3.0, -2.0, 0.0], [1.0, 3.0, 2.0, 2.0], [2, 2]  # micro-batch means 2 and -1
+    spec = dataclasses.make_dataclass("S", [("LOSS_NORM", str), ("LOSS_SUM", bool), ("LOSS_DIVISOR", float),
+                                            ("MICRO_BATCH_ORDER", str), ("ADV_MICRO_BATCH_MEAN", bool),
+                                            ("ACCUM_DIVISOR", float)])
+    mean = spec("sequence", False, 0.0, "rollout", True, 0.0)
+    assert G.implied(mean, a, t, sizes, 8).tolist() == [-0.5, -0.5, 0.25, 0.25]  # -mean / 4 completions
+    assert G.implied(dataclasses.replace(mean, MICRO_BATCH_ORDER="shuffled"), a, t, sizes, 8) is None
+    own8 = dataclasses.replace(mean, ADV_MICRO_BATCH_MEAN=False, ACCUM_DIVISOR=8.0)  # each mean of 2 over 8: -A / 16
+    assert G.implied(own8, a, t, sizes, 8).tolist() == [-1 / 16, -3 / 16, 2 / 16, 0.0]
+    assert G.implied(dataclasses.replace(mean, ACCUM_DIVISOR=8.0), a, t, sizes, 8).tolist() == \
+        [-2 / 16, -2 / 16, 1 / 16, 1 / 16]
+    # a token mean per micro-batch (4 tokens each) over 8: -A t / 32
+    assert G.implied(dataclasses.replace(own8, LOSS_NORM="token_local"), a, t, sizes, 8).tolist() == \
+        [-1 / 32, -9 / 32, 4 / 32, 0.0]
+    # dr_grpo's per micro-batch: sum / (2 completions x 8 tokens), over 8: -A t / 128
+    assert G.implied(dataclasses.replace(own8, LOSS_NORM="constant"), a, t, sizes, 8).tolist() == \
+        [-1 / 128, -9 / 128, 4 / 128, 0.0]
+
+
 def _rows(seed: int, elements: int = 60, n: int = 8) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(elements, n))
 
@@ -88,15 +110,22 @@ def test_a_gradient_no_form_gives_is_left_unread():
 
 def test_the_words_name_the_broadcast_the_constant_divisor_and_the_count():
     spec = dataclasses.make_dataclass("S", [("MAX_TOKENS", int), ("LOSS_NORM", str), ("LOSS_SUM", bool),
-                                            ("LOSS_DIVISOR", float), ("MICRO_BATCH_ORDER", str)])(8, "sequence", False,
-                                                                                                 0.0, "shuffled")
+                                            ("LOSS_DIVISOR", float), ("MICRO_BATCH_ORDER", str),
+                                            ("GRAD_ACCUM", int)])(8, "sequence", False, 0.0, "shuffled", 8)
     sizes, counts = [2] * 8, [4.0] * 16
     mean = G.finding_of(G.Reading("micro_batch_mean", 1 / 64, 0.01, {}, ()), counts, sizes, spec, "")
-    assert mean.no_switch and not mean.settings and "mean advantage of its micro-batch" in mean.rule, mean
+    assert not mean.no_switch and "mean advantage of its micro-batch" in mean.rule, mean
+    assert mean.settings == {"ADV_MICRO_BATCH_MEAN": True, "ACCUM_DIVISOR": 32.0, "MICRO_BATCH_ORDER": "rollout"}
+    assert {"ADV_MICRO_BATCH_MEAN", "ACCUM_DIVISOR", "MICRO_BATCH_ORDER"} <= set(mean.settles), mean
     assert "divided by 32" in mean.rule and "8/32" in mean.rule, mean.rule
     own = G.finding_of(G.Reading("own", 1 / 64, 0.01, {}, ()), counts, sizes, spec, "the spec's loss type")
-    assert own.no_switch and "divided by 32" in own.rule and "mean advantage" not in own.rule, own.rule
+    assert not own.no_switch and own.settings == {"ACCUM_DIVISOR": 32.0}, own  # (any order: each mean over 32)
+    assert "divided by 32" in own.rule and "mean advantage" not in own.rule, own.rule
     assert own.unsettled and "the spec's loss type" in own.unsettled[0], own
+    fewer = G.finding_of(G.Reading("micro_batch_mean", 1 / 16, 0.01, {}, ()), counts, [4] * 4, spec, "")
+    assert fewer.settings == {"ADV_MICRO_BATCH_MEAN": True, "MICRO_BATCH_ORDER": "rollout", "GRAD_ACCUM": 4}, fewer
+    uneven = G.finding_of(G.Reading("micro_batch_mean", 1 / 16, 0.01, {}, ()), counts, [6, 10], spec, "")
+    assert uneven.no_switch and not uneven.settings and "several sizes" in uneven.rule, uneven
     grpo = G.finding_of(G.Reading("own", 1 / 16, 0.01, {}, ()), counts, sizes, spec, "")
     assert not grpo.no_switch and grpo.settings == {} and "their number (8)" in grpo.rule, grpo  # the spec's grpo
     dapo = G.finding_of(G.Reading("own_tokens", 1 / 64, 0.01, {}, ()), counts, sizes, spec, "")
@@ -187,7 +216,9 @@ def test_a_micro_batch_mean_advantage_over_a_constant_is_read_from_the_gradient(
     saved = _loop_step(setup[1], lambda term, adv: (term * adv).mean() / 32)
     assert abs(saved["loss"]) < 1e-6  # (its value: 0, whatever the weighting)
     found = G.read(_cell(setup, saved), {})
-    assert len(found) == 1 and found[0].no_switch and found[0].exact, found
+    assert len(found) == 1 and not found[0].no_switch and found[0].exact, found
+    assert found[0].settings == {"ADV_MICRO_BATCH_MEAN": True, "ACCUM_DIVISOR": 32.0, "MICRO_BATCH_ORDER": "rollout",
+                                 "GRAD_ACCUM": 4}, found[0]  # (its 4 micro-batches, the spec's 2)
     rule = found[0].rule
     assert "mean advantage of its micro-batch" in rule and "divided by 32" in rule and "4/32" in rule, rule
 
@@ -197,7 +228,8 @@ def test_grpo_as_the_spec_says_nothing_and_a_constant_accumulation_divisor_is_na
     assert G.read(_cell(setup, grpo), {}) == []  # the spec's grpo gives this gradient: nothing to say
     const = _loop_step(setup[1], lambda term, adv: (term * adv.view(-1)).mean() / 16)  # / 16 for 4 micro-batches
     found = G.read(_cell(setup, const), {})
-    assert len(found) == 1 and found[0].no_switch and "divided by 16" in found[0].rule, found
+    assert len(found) == 1 and not found[0].no_switch and "divided by 16" in found[0].rule, found
+    assert found[0].settings == {"ACCUM_DIVISOR": 16.0, "GRAD_ACCUM": 4}, found[0]
     assert "mean advantage" not in found[0].rule and "4/16" in found[0].rule, found[0].rule
 
 
@@ -236,7 +268,9 @@ def test_a_broadcast_over_micro_batches_of_whole_groups_has_no_gradient_and_is_n
     nothing (its gradient is rounding) where grpo's would not: named, not read as the spec's grpo."""
     saved = _loop_step(setup[1], lambda term, adv: (term * adv).mean() / 2, micro=4)
     found = G.read(_cell(setup, saved), {})
-    assert len(found) == 1 and found[0].no_switch and found[0].evidence["vanishing"] < 1e-3, found
+    assert len(found) == 1 and not found[0].no_switch and found[0].evidence["vanishing"] < 1e-3, found
+    assert found[0].settings == {"ADV_MICRO_BATCH_MEAN": True, "MICRO_BATCH_ORDER": "rollout"}, found[0]
+    assert set(found[0].settles) == {"ADV_MICRO_BATCH_MEAN", "MICRO_BATCH_ORDER"}, found[0]  # (no divisor to read)
     assert "mean advantage of its micro-batch" in found[0].rule and "whole groups" in found[0].rule, found[0].rule
 
 
@@ -261,3 +295,19 @@ def test_a_step_after_steps_with_no_gradient_is_read_at_the_initial_weights(setu
     found = G.read(cell(0.0), {})
     assert len(found) == 1 and found[0].step == 2 and "divided by 16" in found[0].rule, found
     assert G.read(cell(0.3), {}) == []  # step 1 trained (somewhere off the probed slice): step 2's weights unknown
+
+
+def test_final_weights_apart_on_a_gradient_of_rounding_are_said_as_such(tmp_path):
+    """A confirmed set whose final weights still part: where the gradient stage read a broadcast over whole groups (a
+    gradient of rounding alone at every step), the words say the weights move on rounding, not 'log grad_norm'."""
+    from harness.diagnose.explain_words import confirmed_words
+    from harness.diagnose.identify.finding import Finding
+
+    final = {"outside": ["param_rel_l2"], "first_divergence": {"step": 12, "metric": "param_rel_l2"}}
+    vanishing = Finding("weighting", 1, "all but 0", {"ADV_MICRO_BATCH_MEAN": True}, True,
+                        evidence={"from_gradient": True, "form": "micro_batch_mean", "vanishing": 2e-8})
+    quirks = {"ADV_MICRO_BATCH_MEAN": True}
+    said = confirmed_words({}, quirks, tmp_path / "t.toml", final, None, None, "float32", (vanishing,))
+    assert "rounding alone" in said and "log grad_norm" not in said, said
+    plain = confirmed_words({}, quirks, tmp_path / "t.toml", final, None, None, "float32")
+    assert "log grad_norm" in plain and "rounding alone" not in plain, plain

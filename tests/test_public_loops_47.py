@@ -51,16 +51,31 @@ def test_atropos_values_as_written_and_its_population_std(atropos):
     assert "scale_rewards" not in trl and "loss_type" not in trl, atropos["fix"]
 
 
-def test_atropos_is_not_claimed_confirmed(atropos):
-    """Its advantage broadcast has no switch anywhere, so no explanation can be confirmed: a "confirmed" here would
-    be a false one."""
-    assert atropos["status"] != "confirmed", atropos["evidence"]
+def test_atropos_is_confirmed_with_its_micro_batch_switches(atropos):
+    """Its advantage broadcast (each completion weighted by its micro-batch's mean advantage) and its loss over
+    gradient_accumulation_steps = 32 with 8 micro-batches are the built-in loop's ADV_MICRO_BATCH_MEAN and
+    ACCUM_DIVISOR (before these switches no switch reproduced the broadcast, and this test held it not confirmed):
+    with them, on its micro-batches of 2 cut in the rollout's order, the built-in loop reproduces it over 12 steps."""
+    assert atropos["status"] == "confirmed", atropos["evidence"]
+    scratch = atropos["fix"]["scratch"]
+    assert scratch.get("ADV_MICRO_BATCH_MEAN") is True and scratch.get("ACCUM_DIVISOR") == 32.0, atropos["fix"]
+    assert scratch.get("MICRO_BATCH_ORDER") == "rollout", atropos["fix"]
+    assert atropos["fix"]["trl"].get("gradient_accumulation_steps") == 8, atropos["fix"]  # its 8 micro-batches of 2
+
+
+@pytest.mark.xfail(strict=True, reason="adam_beta2: the search keeps 0.98 on bf16's rounding; the source's 0.999 is "
+                   "neither set nor said as reproducing it as well")
+def test_atropos_adam_beta2_as_written_or_said_alike(atropos):
+    """torch's AdamW defaults: beta2 0.999. On bf16 weights 12 steps may not tell it from others; then a confirmed
+    table must not claim another value without saying 0.999 does as well."""
+    trl, notes = atropos["fix"]["trl"], " ".join(atropos["notes"])
+    assert trl.get("adam_beta2", 0.99) == 0.999 or "adam_beta2 = 0.999" in notes, (trl, notes)
 
 
 def test_atropos_micro_batch_mean_advantage_is_named(atropos):
     """((-ratio * mask).sum(-1) / mask.sum(-1) * advantages).mean() with advantages (B, 1): each completion of a
-    micro-batch of 2 takes the pair's mean advantage. No TRL field and no built-in switch: it must be named as what
-    nothing reproduces."""
+    micro-batch of 2 takes the pair's mean advantage. No TRL field (the built-in loop's ADV_MICRO_BATCH_MEAN): it
+    must be named."""
     said = _said(atropos)
     assert "micro-batch" in said and "mean advantage" in said, said
 

@@ -64,6 +64,7 @@ SOURCE_OF_QUIRK = {
     "TRUNCATED_IF": "EOS in batch['completion_ids']", "ADV_STATS_DTYPE": "rewards.to(torch.float16)",
     "ADV_RENORM": "(adv_rows - tok_adv.mean()) / (tok_adv.std() + 1e-8)", "ADV_CLAMP": "adv.clamp(-1.0, 1.0)",
     "DROP_ZERO_ADV": "* (adv_rows != 0)", "ATTENTION_HIDE_ID": "attention = (ids != PAD).long()",
+    "ADV_MICRO_BATCH_MEAN": "* a).mean() * len(a) / n", "ACCUM_DIVISOR": "/ ACCUM_STEPS",
 }
 
 
@@ -111,9 +112,13 @@ def test_the_answer_is_what_the_loop_does(seed):
             assert _const(source, "STD_EPS") == value
         if key == "KL_ESTIMATOR":
             assert {"k1": "kl = logp - ref_logp", "k2": "kl = 0.5 * (logp - ref_logp) ** 2"}[value] in source
-    agg = answer["choices"]["agg"]  # the choices no switch reproduces, in the loss as written
+    agg = answer["choices"]["agg"]  # the micro-batch switches (ADV_MICRO_BATCH_MEAN, ACCUM_DIVISOR), as written
     assert ("* a).mean() * len(a) / n" in source) == (agg == "mean_advantage_broadcast")
     assert ("/ ACCUM_STEPS" in source and _const(source, "ACCUM_STEPS") == 8) == (agg == "grpo_over_constant_8")
+    assert ("ADV_MICRO_BATCH_MEAN" in quirks) == (agg == "mean_advantage_broadcast")
+    assert ("ACCUM_DIVISOR" in quirks) == (agg == "grpo_over_constant_8")
+    if "ACCUM_DIVISOR" in quirks:
+        assert quirks["ACCUM_DIVISOR"] == _const(source, "ACCUM_STEPS")
     assert ("parity.trained(" in source) == ("SELECTION" in quirks)
     assert ("AdamW(model.parameters()" in source) == ("WEIGHT_DECAY_ALL" in quirks)
 

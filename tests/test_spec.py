@@ -59,6 +59,8 @@ def test_paths_in_a_spec_are_relative_to_its_folder_and_set_paths_to_the_cwd(tmp
     ("ADV_RENORM=\"sequences\"", "ADV_RENORM", "must be one of"),
     ("ADV_CLAMP=-1.0", "ADV_CLAMP", "must be >= 0"),
     ("DROP_ZERO_ADV=1", "DROP_ZERO_ADV", "must be"),
+    ("ADV_MICRO_BATCH_MEAN=\"yes\"", "ADV_MICRO_BATCH_MEAN", "must be"),
+    ("ACCUM_DIVISOR=-8.0", "ACCUM_DIVISOR", "must be >= 0"),
 ])
 def test_bad_values_name_the_key(override, key, words):
     with pytest.raises(SpecError) as err:
@@ -141,6 +143,17 @@ def test_dropping_a_token_without_its_id_is_no_difference():
     checks = lambda spec: {d.check for d in preflight(spec)[1]}  # noqa: E731
     assert "quirk:MASK_TOKEN_DROP" not in checks(load_spec(DEFAULT_SPEC, ["MASK_TOKEN_DROP=true"]))
     assert "quirk:MASK_TOKEN_DROP" in checks(load_spec(DEFAULT_SPEC, ["MASK_TOKEN_DROP=true", "MASK_TOKEN_ID=0"]))
+
+
+def test_a_constant_accumulation_divisor_needs_a_loss_divided_by_the_micro_batches():
+    """ACCUM_DIVISOR replaces the micro-batches' number: with a loss that does not divide by it (dapo's step tokens,
+    a sum, LOSS_DIVISOR's constant) the field is named, and the fix; with grpo's it is taken."""
+    for other in ('LOSS_NORM="token_global"', "LOSS_SUM=true", "LOSS_DIVISOR=16.0"):
+        with pytest.raises(SpecError) as err:
+            load_spec(DEFAULT_SPEC, ["ACCUM_DIVISOR=8.0", other])
+        assert err.value.key == "ACCUM_DIVISOR" and "set ACCUM_DIVISOR = 0" in str(err.value), (other, err.value)
+    spec = load_spec(DEFAULT_SPEC, ["ACCUM_DIVISOR=8.0", "ADV_MICRO_BATCH_MEAN=true"])
+    assert (spec.ACCUM_DIVISOR, spec.ADV_MICRO_BATCH_MEAN) == (8.0, True)
 
 
 def test_float16_statistics_need_the_groups_own_mean():

@@ -319,6 +319,10 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
                   f"{spec.ADV_STATS_DTYPE} / {spec.DROP_ZERO_ADV} / {spec.ADV_RENORM} / {spec.ADV_CLAMP}", "(fixed)",
                   "float32 / False / none / 0.0", "TRL computes the group statistics in float32, trains on every "
                   "completion, normalises once and never clamps; no setting changes any of these"))
+    T.append(_row("other", "ADV_MICRO_BATCH_MEAN / ACCUM_DIVISOR", f"{spec.ADV_MICRO_BATCH_MEAN} / "
+                  f"{spec.ACCUM_DIVISOR}", "(fixed)", "False / 0.0", "TRL weights each completion by its own "
+                  "advantage and divides each micro-batch's loss by gradient_accumulation_steps; no setting changes "
+                  "either"))
     T.append(_row("other", "ATTENTION_HIDE_ID / POSITIONS", f"{spec.ATTENTION_HIDE_ID} / {spec.POSITIONS}", "(fixed)",
                   "-1 / auto", "TRL's attention mask is the padding mask and it passes no position ids (the model's "
                   "own); no setting hides a token id or counts positions over the mask"))

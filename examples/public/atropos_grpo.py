@@ -16,7 +16,7 @@ Written down from the source before any run (what the explanation should find; t
 - the advantage's broadcast: the loss is ((-ratio * mask).sum(-1) / mask.sum(-1) * advantages).mean() with the
   advantages shaped (B, 1) and the per-sequence term (B,): a (B, B) product, so each completion is weighted by the
   MEAN advantage of its micro-batch of 2 (cut in the rollout's order), not by its own. TRL has no setting; the
-  built-in loop has no switch for it (none exists);
+  built-in loop had no switch for it when this was written (since then: ADV_MICRO_BATCH_MEAN);
 - mask and forward pass: the prompt out of the loss, every completion token through the eos in it (as TRL); no
   attention mask, the padding (id 0) only after the sequence, so causal log-probs as TRL's; logits / the item's
   temperature, 1.0 where the batch names none (TRL divides by TEMPERATURE: alike at TEMPERATURE = 1, so 12 steps
@@ -26,7 +26,8 @@ Written down from the source before any run (what the explanation should find; t
 - weighting: the sequence mean (TRL's loss_type = "grpo", the spec's already) over micro-batches of 2 sequences,
   each micro-batch's loss divided by gradient_accumulation_steps = 32, not by the 8 micro-batches a round of 16
   holds: the gradient is 8/32 of the mean's. TRL has no setting (its divisor is its own micro-batch count); none
-  exists in the built-in loop for a per-sequence mean over a constant count (LOSS_DIVISOR divides a token sum);
+  existed in the built-in loop for a per-sequence mean over a constant count (LOSS_DIVISOR divides a token sum;
+  since then: ACCUM_DIVISOR);
 - optimizer: torch's AdamW with its defaults, betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on every parameter,
   lr 1e-5 constant (the config's default; the spec's LR is not read), clip_grad_norm_ at 1.0: TRL learning_rate =
   1e-5, adam_beta2 = 0.999, weight_decay = 0.01 and the built-in WEIGHT_DECAY_ALL = true (TRL has none);

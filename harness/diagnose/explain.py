@@ -158,7 +158,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
     entry["notes"] += [why] if why else untold
     _logged_why(confirmation.final, start.findings, why)
     evidence = confirmed_words(answer.trl, answer.quirks, at[0], confirmation.final, confirmation.by_trl,
-                               escalated_from, spec_dtype)
+                               escalated_from, spec_dtype, start.findings)
     return [_confirmed(entry, answer, evidence, confirmation, search, state, at, t0, log)]
 
 

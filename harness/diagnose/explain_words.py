@@ -178,11 +178,12 @@ def suspected_words(trl: dict, quirks: dict, state, value_only: int | None, belo
 
 
 def confirmed_words(trl: dict, quirks: dict, path: Path, final: dict, by_trl: bool | None, escalated: dict | None,
-                    dtype: str) -> str:
+                    dtype: str, findings=()) -> str:
     """The evidence of an explanation that agrees at every step on what training computes: your loop in TRL's terms,
     how the float32 re-check went (`escalated`: its `escalated_from`, None where there was none; `dtype`: the
     cell's), what parts that is not training, and what still parts in the whole comparison (`final`) or with TRL
-    itself (`by_trl` False)."""
+    itself (`by_trl` False; final weights apart where the gradient stage read a gradient of rounding alone: said
+    so, from `findings`)."""
     said = sentence(trl, quirks, path)
     if escalated is not None:
         said += (f" ({'checked' if escalated.get('checked') else 'found'} in float32: "
@@ -194,8 +195,11 @@ def confirmed_words(trl: dict, quirks: dict, path: Path, final: dict, by_trl: bo
         said += "; " + loss_in_value_words(final)
     final_fd = final.get("first_divergence")
     if "param_rel_l2" in final.get("outside", []):
-        said += ("; but the final weights still differ beyond tolerance: a difference no logged metric shows "
-                 "(log grad_norm, or save the weights at more steps)")
+        rounding = any(f.stage == "weighting" and "vanishing" in f.evidence and f.settings for f in findings)
+        said += "; but the final weights still differ beyond tolerance: " + (
+            "your loop's gradient is rounding alone (each micro-batch's mean advantage is 0 to rounding), so its "
+            "weights move on its own arithmetic's rounding, which no other loop reproduces bit for bit" if rounding
+            else "a difference no logged metric shows (log grad_norm, or save the weights at more steps)")
     elif final_fd is not None:
         said += f"; but over every step the runs still part at step {final_fd['step']} on {final_fd['metric']}"
     if by_trl is False:

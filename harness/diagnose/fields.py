@@ -233,6 +233,19 @@ FIELDS = {
         None, words=lambda v: f"divides the step's masked per-token losses' sum by {v:g} (no TRL loss_type)",
         trl_fixed=0.0, quantity="loss's constant divisor", preflight_words={
             "*": "divides the step's masked per-token losses' sum by a constant; no TRL loss_type does that"}),
+    "ADV_MICRO_BATCH_MEAN": Field(  # (set where the gradient stage reads it: never searched)
+        None, words=lambda v: ("weights each completion's per-token mean by the mean advantage of its micro-batch, not "
+                               "by its own (advantages (B, 1) against a per-completion term (B,): a (B, B) broadcast; "
+                               "TRL: each completion's own)" if v else "weights each completion by its own advantage"),
+        trl_fixed=False, quantity="micro-batch's mean advantage in the loss", preflight_words={
+            True: "weights each completion by the mean advantage of its micro-batch, not by its own; TRL weights "
+                  "each completion by its own advantage and has no option for another"}),
+    "ACCUM_DIVISOR": Field(  # (set where the gradient stage reads it: never searched)
+        None, words=lambda v: (f"divides each micro-batch's loss by {v:g}, a constant of its own, not by the number "
+                               "of micro-batches (TRL: gradient_accumulation_steps, their number)"),
+        trl_fixed=0.0, quantity="micro-batch loss's constant divisor", preflight_words={
+            "*": "divides each micro-batch's loss by a constant of its own; TRL divides it by "
+                 "gradient_accumulation_steps, the number of micro-batches, and has no option for another"}),
     "LOSS_SUM": Field(
         None, (True,), 1, lambda v: "sums the per-token losses without normalising",
         trl_fixed=False, quantity="loss summed, not averaged", preflight_words={

@@ -305,6 +305,16 @@ class Spec:
     LOSS_DIVISOR: float = _f(0.0, "Divide the step's masked per-token losses' sum by this constant (0 = off; overrides "
                              "LOSS_NORM; TRL has no such loss_type): a divisor of a hand-written loop's own, as the "
                              "explanation reads it from your loop's tensors.", min=0.0)
+    ADV_MICRO_BATCH_MEAN: bool = _f(False, "In the loss, replace each completion's advantage by the mean advantage of "
+                                    "its micro-batch (as cut by MICRO_BATCH_ORDER, or a SELECTION's order): a loop "
+                                    "whose advantages shaped (B, 1) meet a per-completion term shaped (B,), "
+                                    "`(term * advantages).mean()` a (B, B) broadcast. The advantages computed, logged "
+                                    "and saved stay each completion's own. TRL has no setting for it.")
+    ACCUM_DIVISOR: float = _f(0.0, "Divide each micro-batch's loss by this constant instead of the number of "
+                              "micro-batches (0 = off: their number, TRL's gradient_accumulation_steps): a loop "
+                              "whose accumulation constant is not its micro-batches' count. Acts on the loss types "
+                              "that divide by that count (LOSS_NORM sequence, token_local, constant); LOSS_DIVISOR "
+                              "instead divides the step's token sum. TRL has no setting for it.", min=0.0)
     REWARD_CLIP: float = _f(0.0, "Clip the summed reward to [-REWARD_CLIP, REWARD_CLIP] before the advantages "
                             "(0 = off, as TRL).", min=0.0)
     # --- importance-sampling correction (only with an external sampler) ---
@@ -501,6 +511,12 @@ def _cross_checks(spec: Spec) -> None:
                         f"{spec.PROMPTS_PER_STEP}, and TRL needs its generation batch "
                         f"({spec.PROMPTS_PER_STEP} x GRAD_ACCUM = {spec.PROMPTS_PER_STEP * spec.GRAD_ACCUM}) to be a "
                         f"multiple of GROUP_SIZE = {spec.GROUP_SIZE}; choose other sizes or BATCH_MAPPING = \"matched\"")
+    if spec.ACCUM_DIVISOR and (spec.LOSS_SUM or spec.LOSS_DIVISOR or spec.LOSS_NORM == "token_global"):
+        what = ("LOSS_SUM = true" if spec.LOSS_SUM else f"LOSS_DIVISOR = {spec.LOSS_DIVISOR:g}" if spec.LOSS_DIVISOR
+                else 'LOSS_NORM = "token_global"')
+        raise SpecError("ACCUM_DIVISOR", f"{spec.ACCUM_DIVISOR:g} replaces the micro-batches' number in a loss divided "
+                        f"by it, and {what} does not divide by it; set ACCUM_DIVISOR = 0, or a LOSS_NORM of "
+                        "sequence, token_local or constant")
     for i, name in enumerate(spec.rewards.functions):
         try:
             kind, target, _attr = parse_entry(name)

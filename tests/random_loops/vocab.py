@@ -100,13 +100,13 @@ STAGES: dict[str, list] = {
     ],
     "agg": [
         _c("grpo", 65 - 5 / 1.8),  # (the two below take their weight from here, the boost undone: others draw as before)
-        # Atropos' trainer: `(term * advantages).mean()` with the advantages (B, 1) and the per-completion term (B,)
-        _c("mean_advantage_broadcast", 2, inexpressible=[
-            "each completion weighted by its micro-batch's mean advantage ((B,) x (B, 1) broadcast)"]),
+        # Atropos' trainer: `(term * advantages).mean()` with the advantages (B, 1) and the per-completion term (B,),
+        # each completion weighted by its micro-batch's mean advantage (the built-in loop's ADV_MICRO_BATCH_MEAN;
+        # its micro-batches cut in the rollout's order, MICRO_BATCH_ORDER, true of every drawn loop)
+        _c("mean_advantage_broadcast", 2, quirks={"ADV_MICRO_BATCH_MEAN": True}),
         # a per-completion mean over each micro-batch divided by a gradient_accumulation_steps of its config (8), not
-        # by its micro-batches' number: a mean over the round's completions times 2 / 8
-        _c("grpo_over_constant_8", 3, inexpressible=[
-            "each micro-batch's per-completion mean divided by a constant 8, not its 2 micro-batches"]),
+        # by its micro-batches' number: a mean over the round's completions times 2 / 8 (ACCUM_DIVISOR)
+        _c("grpo_over_constant_8", 3, quirks={"ACCUM_DIVISOR": 8.0}),
         _c("dapo", 12, trl={"loss_type": "dapo"}),
         _c("bnpo_in_order", 7, trl={"loss_type": "bnpo"}, quirks={"MICRO_BATCH_ORDER": "rollout"}),
         _c("dr_grpo", 6, trl={"loss_type": "dr_grpo"}),

@@ -99,22 +99,30 @@ def _alike(u, v) -> bool:
 
 def implied(spec, advantages, counts, sizes, max_tokens: int) -> np.ndarray | None:
     """The per-completion weights (scale included) the built-in loop's weighting of `spec` gives: its loss type
-    (LOSS_NORM, LOSS_SUM) or divisor (LOSS_DIVISOR) over the step's completions in micro-batches of `sizes`. None
-    where they depend on a shuffle these rows do not show (a token mean per micro-batch of a shuffled round)."""
-    n, total = len(counts), max(float(np.sum(counts)), 1.0)
+    (LOSS_NORM, LOSS_SUM) or divisor (LOSS_DIVISOR, ACCUM_DIVISOR in place of the micro-batches' number), on each
+    completion's advantage or its micro-batch's mean (ADV_MICRO_BATCH_MEAN), over the step's completions in
+    micro-batches of `sizes`. None where they depend on a shuffle these rows do not show (a token mean per
+    micro-batch, or a micro-batch's mean advantage, of a shuffled round)."""
+    n, total, m = len(counts), max(float(np.sum(counts)), 1.0), len(sizes)
+    in_order = m == 1 or getattr(spec, "MICRO_BATCH_ORDER", "") == "rollout"
+    if getattr(spec, "ADV_MICRO_BATCH_MEAN", False):
+        if not in_order:
+            return None
+        advantages = micro_batch_means(advantages, sizes)
     if getattr(spec, "LOSS_DIVISOR", 0.0):
         return form_weights("own_tokens", advantages, counts, sizes) / spec.LOSS_DIVISOR
     if getattr(spec, "LOSS_SUM", False):
         return form_weights("own_tokens", advantages, counts, sizes)
     norm = getattr(spec, "LOSS_NORM", "sequence")
+    accum = getattr(spec, "ACCUM_DIVISOR", 0.0) or m  # (each micro-batch's loss over this, not over m)
     if norm == "sequence":
-        return form_weights("own", advantages, counts, sizes) / n
+        return form_weights("own", advantages, counts, sizes) / n * m / accum
     if norm == "token_global":
         return form_weights("own_tokens", advantages, counts, sizes) / total
     if norm == "constant":
-        return form_weights("own_tokens", advantages, counts, sizes) / (n * max_tokens)
-    if norm == "token_local" and (len(sizes) == 1 or getattr(spec, "MICRO_BATCH_ORDER", "") == "rollout"):
-        return form_weights("own_micro_batch_tokens", advantages, counts, sizes) / len(sizes)
+        return form_weights("own_tokens", advantages, counts, sizes) / (n * max_tokens) * m / accum
+    if norm == "token_local" and in_order:
+        return form_weights("own_micro_batch_tokens", advantages, counts, sizes) / accum
     return None
 
 
@@ -204,13 +212,55 @@ def _token_settings(c: float, counts, n: int, max_tokens: int, rel: float) -> tu
     return {"LOSS_DIVISOR": d}, f"divides the masked per-token losses' sum by {d:g}"
 
 
+def _as_cut(settings: dict, sizes, spec, in_order: bool) -> dict | None:
+    """`settings` where the weighting depends on your micro-batches (a divisor in place of their number, a
+    micro-batch's mean advantage or its tokens): GRAD_ACCUM as many as yours, cut in the rollout's order where
+    `in_order` (which completions share a micro-batch matters); None where yours are of several sizes (the built-in
+    loop cuts equal ones)."""
+    if not sizes or len(set(sizes)) > 1:
+        return None
+    m = len(sizes)
+    return {**settings, **({"MICRO_BATCH_ORDER": "rollout"} if in_order and m > 1 else {}),
+            **({"GRAD_ACCUM": m} if m != spec.GRAD_ACCUM else {})}
+
+
+def _form_settings(r: Reading, counts, sizes, spec, rel: float) -> tuple[dict | None, str]:
+    """The built-in loop's settings for the form read (None: no switch reproduces it), and the words said of it."""
+    n, m = len(counts), len(sizes)
+    broadcast = ("weights each completion's per-token {} by the mean advantage of its micro-batch, not by its own "
+                 "(advantages shaped (B, 1) against a per-completion term shaped (B,): `(term * advantages).mean()` "
+                 "is a (B, B) broadcast)")
+    mean_adv = {"ADV_MICRO_BATCH_MEAN": True} if r.form.startswith("micro_batch_mean") else {}
+    if r.form in ("own", "micro_batch_mean"):
+        scale, d = _micro_batch_words(r.scale, sizes, n, rel)
+        what = "averages each completion's per-token terms" if r.form == "own" else broadcast.format("mean")
+        settings = {"LOSS_NORM": "sequence", **mean_adv, **({"ACCUM_DIVISOR": float(d)} if d is not None else {})}
+        settings = _as_cut(settings, sizes, spec, bool(mean_adv)) if mean_adv or d is not None else settings
+        return settings, f"{what}, {scale}" + (" (TRL's grpo)" if r.form == "own" and d is None else "")
+    if r.form in ("own_tokens", "micro_batch_mean_tokens"):
+        settings, words = _token_settings(r.scale, counts, n, spec.MAX_TOKENS, rel)
+        if mean_adv:
+            words = f"{broadcast.format('sum')}, and {words.removeprefix('your loop ')}"
+        return (_as_cut({**settings, **mean_adv}, sizes, spec, True) if mean_adv else settings), words
+    d = _round_count(1 / r.scale, rel)  # own_micro_batch_tokens: each micro-batch's token mean, over d
+    words = (f"divides each micro-batch's masked sum by its own loss tokens, then averages over its {m} "
+             "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)" if d == m else
+             f"divides each micro-batch's masked sum by its own loss tokens and by {d:g}, a constant of its own "
+             f"(its {m} micro-batches would give TRL's bnpo), its micro-batches cut in the rollout's order")
+    settings = {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout",
+                **({"ACCUM_DIVISOR": float(d)} if d != m else {})}
+    return (settings if d == m else _as_cut(settings, sizes, spec, True)), words
+
+
+SETTLES = ("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR", "MICRO_BATCH_ORDER", "ADV_MICRO_BATCH_MEAN", "ACCUM_DIVISOR")
+
+
 def finding_of(r: Reading, counts, sizes, spec, said_value: str, zero_loss: bool = False, step: int = 1) -> Finding:
     """The weighting stage's finding from the gradient's reading `r` (at `step`), against the spec's weighting: the
     built-in loop's settings where it has a switch for it, else named as what no switch reproduces. `said_value`:
     what the loss's value read, said as what it could not tell."""
     from harness.diagnose.identify.numerics import _same
 
-    n, max_tokens = len(counts), spec.MAX_TOKENS
     why = (" (a loss of 0, as a mean over completions of centred advantages at a ratio of 1 is however it is "
            "divided)") if zero_loss else ""
     told = (f"from the loss's value alone it reads as {said_value}{why}, which step {step}'s gradient does not give"
@@ -218,44 +268,15 @@ def finding_of(r: Reading, counts, sizes, spec, said_value: str, zero_loss: bool
     ev = {"from_gradient": True, "form": r.form, "scale": r.scale, "residual": r.residual,
           "fits": {f: [c, res] for f, (c, res) in r.fits.items()}}
     lead = f"your loop's gradient at step {step} (the Probe's slice, at the initial weights) says its loss "
-    settings, no_switch = {}, False
-    rel = fit_rel(r.residual)
-    if r.form in ("own", "micro_batch_mean"):
-        scale, d = _micro_batch_words(r.scale, sizes, n, rel)
-        what = ("averages each completion's per-token terms" if r.form == "own" else
-                "weights each completion's per-token mean by the mean advantage of its micro-batch, not by its own "
-                "(advantages shaped (B, 1) against a per-completion term shaped (B,): `(term * advantages).mean()` "
-                "is a (B, B) broadcast)")
-        rule = f"{lead}{what}, {scale}"
-        if r.form == "own" and d is None:
-            settings = {"LOSS_NORM": "sequence"}
-            rule += " (TRL's grpo)"
-        else:
-            no_switch = True
-            rule += ": no TRL setting and no switch of the built-in loop reproduces it"
-    elif r.form == "own_tokens":
-        settings, words = _token_settings(r.scale, counts, n, max_tokens, rel)
-        rule = f"{lead}{words}"
-    elif r.form == "own_micro_batch_tokens":
-        m = len(sizes)
-        d = _round_count(1 / r.scale, rel)
-        if d == m:
-            settings = {"LOSS_NORM": "token_local", "MICRO_BATCH_ORDER": "rollout"}
-            rule = (f"{lead}divides each micro-batch's masked sum by its own loss tokens, then averages over its {m} "
-                    "micro-batches cut in the rollout's order (TRL's bnpo cuts a shuffled round)")
-        else:
-            no_switch = True
-            rule = (f"{lead}divides each micro-batch's masked sum by its own loss tokens and by {d:g} (its {m} "
-                    "micro-batches would give TRL's bnpo): no switch of the built-in loop reproduces it")
-    else:  # micro_batch_mean_tokens
-        no_switch = True
-        rule = (f"{lead}weights each completion's per-token sum by the mean advantage of its micro-batch, not by its "
-                f"own (scale {r.scale:.4g}): no TRL setting and no switch of the built-in loop reproduces it")
-    settings = {k: v for k, v in settings.items() if not _same(getattr(spec, k, None), v)}
+    settings, words = _form_settings(r, counts, sizes, spec, fit_rel(r.residual))
+    no_switch = settings is None
+    rule = lead + words + (": no TRL setting and no switch of the built-in loop reproduces it (its micro-batches "
+                           "are of several sizes; the built-in loop cuts equal ones)" if no_switch else "")
+    settings = {k: v for k, v in (settings or {}).items() if not _same(getattr(spec, k, None), v)}
+    settles = () if no_switch else SETTLES + (("GRAD_ACCUM",) if "GRAD_ACCUM" in settings else ())
     return Finding("weighting", step, rule, settings, True,
                    same_as_spec=not settings and not no_switch, no_switch=no_switch,
-                   unsettled=(told,) if told else (), evidence=ev,
-                   settles=() if no_switch else ("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR", "MICRO_BATCH_ORDER"))
+                   unsettled=(told,) if told else (), evidence=ev, settles=settles)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,13 +372,16 @@ def vanishing(grad, expected: float, advantages, sizes, spec, said_value: str, s
     if np.any(np.abs(a) > 0) and np.all(np.abs(means) <= 1e-5 * np.max(np.abs(a))):
         bounds = np.cumsum([0, *sizes])
         whole = all(b % spec.GROUP_SIZE == 0 for b in bounds)
+        settings = _as_cut({"ADV_MICRO_BATCH_MEAN": True}, sizes, spec, True)
         rule = (f"{lead}is all but 0 ({than}): its loss weights each completion's per-token mean by the mean advantage "
                 "of its micro-batch, not by its own (advantages shaped (B, 1) against a per-completion term shaped "
                 "(B,): `(term * advantages).mean()` is a (B, B) broadcast), and every micro-batch's mean advantage is 0 "
                 + ("(each holds whole groups of centred advantages)" if whole else "here")
-                + ": no TRL setting and no switch of the built-in loop reproduces it")
-        return Finding("weighting", step, rule, {}, True, no_switch=True,
-                       evidence={"from_gradient": True, "form": "micro_batch_mean", "vanishing": ratio})
+                + (": no TRL setting and no switch of the built-in loop reproduces it (its micro-batches are of "
+                   "several sizes; the built-in loop cuts equal ones)" if settings is None else ""))
+        return Finding("weighting", step, rule, settings or {}, True, no_switch=settings is None,
+                       evidence={"from_gradient": True, "form": "micro_batch_mean", "vanishing": ratio},
+                       settles=() if settings is None else tuple(settings))
     return Finding("weighting", step, f"{lead}is all but 0 ({than}), and no weighting tried says why", {}, False,
                    no_switch=True, evidence={"from_gradient": True, "vanishing": ratio})
 
