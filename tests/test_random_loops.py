@@ -323,3 +323,28 @@ def test_a_clip_no_norm_reaches_is_left_to_the_run():
         runs = lambda top: {"metrics": [{"grad_norm": 0.1}, {"grad_norm": top}]}  # noqa: E731
         assert decide_from_run(answer, runs(below))["unsure"] == ["max_grad_norm"]
         assert decide_from_run(answer, runs(above))["unsure"] == []
+
+
+def test_a_loop_training_on_rounding_alone_is_right_only_where_the_verdict_says_so():
+    """A loop whose logged gradient is rounding at every step (the broadcast over micro-batches of whole centred
+    groups: each micro-batch's mean advantage is 0): Adam turns that rounding into whole steps, which no other loop
+    reproduces, so its final weights cannot be confirmed. Right where every setting is named and the verdict says the
+    final weights part because the gradient is rounding; not where it says nothing, nor for a loop with a real
+    gradient."""
+    answer = _answer({"agg": "mean_advantage_broadcast"})
+    quirks = dict(answer["quirks"])
+    said = ("your loop is ...; but the final weights still differ beyond tolerance: your loop's gradient is rounding "
+            "alone (each micro-batch's mean advantage is 0 to rounding)")
+
+    def out(norm, text):
+        o = _out({}, quirks, status="suspected", text=text)
+        o["metrics"] = [{"grad_norm": norm}, {"grad_norm": norm / 2}]
+        return o
+
+    assert score(answer, out(2e-8, said), RUN) == {"right": True, "misses": []}
+    assert score(answer, out(2e-8, "but the final weights still differ beyond tolerance"), RUN)["misses"] == [
+        "not_confirmed:suspected"]
+    assert score(answer, out(0.3, said), RUN)["misses"] == ["not_confirmed:suspected"]
+    wrong = _out({}, {**quirks, "STD": "population"}, status="suspected", text=said)
+    wrong["metrics"] = [{"grad_norm": 2e-8}]
+    assert score(answer, wrong, RUN)["misses"] == ["quirk_extra:STD"]

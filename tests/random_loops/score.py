@@ -110,15 +110,23 @@ def _said(text: str, *words: str) -> bool:
     return any(all(any(alt in line for alt in w.lower().split("|")) for w in words) for line in sentences)
 
 
+# a gradient norm the loop logs below this at every step is its own float32 rounding: the embedded model's real
+# gradients are 1e-2 and up, the rounding residue of a loss whose every term cancels (a micro-batch's mean advantage
+# of 0: its micro-batches hold whole groups of centred advantages) about 1e-8
+ROUNDING_NORM = 1e-6
+
+
 def decide_from_run(answer: dict, out: dict) -> dict:
     """What construction left to the run: a clipping threshold no logged (pre-clip) norm reached cannot act (the
-    loop's 0.5, or, where the loop clips nothing, TRL's max_grad_norm of the spec)."""
+    loop's 0.5, or, where the loop clips nothing, TRL's max_grad_norm of the spec); a loop whose logged gradient is
+    rounding at every step (`rounding_only`) trains on its own arithmetic's rounding, which Adam turns into whole
+    steps: no other loop reproduces those bit for bit, so its final weights cannot be confirmed, only said."""
     answer = json.loads(json.dumps(answer))
+    norms = [float(m["grad_norm"]) for m in out["metrics"] if isinstance(m.get("grad_norm"), (int, float))]
     threshold = {"0.5": 0.5, "none": SPEC_TRL["max_grad_norm"]}.get(answer["choices"].get("grad_clip"))
-    if threshold is not None and out["metrics"]:
-        norms = [float(m["grad_norm"]) for m in out["metrics"] if isinstance(m.get("grad_norm"), (int, float))]
-        if norms and max(norms) > threshold:  # it binds at some step: the run must show it
-            answer["unsure"] = [u for u in answer["unsure"] if u != "max_grad_norm"]
+    if threshold is not None and norms and max(norms) > threshold:  # it binds at some step: the run must show it
+        answer["unsure"] = [u for u in answer["unsure"] if u != "max_grad_norm"]
+    answer["rounding_only"] = bool(norms) and max(norms) < ROUNDING_NORM
     return answer
 
 
@@ -139,7 +147,10 @@ def score(answer: dict, out: dict | None, run: dict) -> dict:
     if out["verdict"] == "parity" and needed:
         misses.append("parity_claimed")
     elif needed and out["status"] != "confirmed" and not answer["inexpressible"]:
-        misses.append(f"not_confirmed:{out['status']}")
+        # a loop that trains on rounding alone: right where every value is (below) and the verdict says that the
+        # final weights part because the gradient is rounding, the one thing left unconfirmed
+        if not (answer["rounding_only"] and _said(out["text"], "final weights", "rounding alone")):
+            misses.append(f"not_confirmed:{out['status']}")
     for key, want in expected_trl.items():
         if key not in out["trl"]:
             if key not in unsure:
