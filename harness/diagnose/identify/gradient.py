@@ -253,6 +253,9 @@ def _form_settings(r: Reading, counts, sizes, spec, rel: float) -> tuple[dict | 
 
 
 SETTLES = ("LOSS_NORM", "LOSS_SUM", "LOSS_DIVISOR", "MICRO_BATCH_ORDER", "ADV_MICRO_BATCH_MEAN", "ACCUM_DIVISOR")
+# said of a form whose switches need your micro-batches cut alike (`_as_cut` None)
+UNEQUAL = (": no TRL setting and no switch of the built-in loop reproduces it (its micro-batches are of several sizes; "
+           "the built-in loop cuts equal ones)")
 
 
 def finding_of(r: Reading, counts, sizes, spec, said_value: str, zero_loss: bool = False, step: int = 1) -> Finding:
@@ -270,8 +273,7 @@ def finding_of(r: Reading, counts, sizes, spec, said_value: str, zero_loss: bool
     lead = f"your loop's gradient at step {step} (the Probe's slice, at the initial weights) says its loss "
     settings, words = _form_settings(r, counts, sizes, spec, fit_rel(r.residual))
     no_switch = settings is None
-    rule = lead + words + (": no TRL setting and no switch of the built-in loop reproduces it (its micro-batches "
-                           "are of several sizes; the built-in loop cuts equal ones)" if no_switch else "")
+    rule = lead + words + (UNEQUAL if no_switch else "")
     settings = {k: v for k, v in (settings or {}).items() if not _same(getattr(spec, k, None), v)}
     settles = () if no_switch else SETTLES + (("GRAD_ACCUM",) if "GRAD_ACCUM" in settings else ())
     return Finding("weighting", step, rule, settings, True,
@@ -377,8 +379,7 @@ def vanishing(grad, expected: float, advantages, sizes, spec, said_value: str, s
                 "of its micro-batch, not by its own (advantages shaped (B, 1) against a per-completion term shaped "
                 "(B,): `(term * advantages).mean()` is a (B, B) broadcast), and every micro-batch's mean advantage is 0 "
                 + ("(each holds whole groups of centred advantages)" if whole else "here")
-                + (": no TRL setting and no switch of the built-in loop reproduces it (its micro-batches are of "
-                   "several sizes; the built-in loop cuts equal ones)" if settings is None else ""))
+                + (UNEQUAL if settings is None else ""))
         return Finding("weighting", step, rule, settings or {}, True, no_switch=settings is None,
                        evidence={"from_gradient": True, "form": "micro_batch_mean", "vanishing": ratio},
                        settles=() if settings is None else tuple(settings))

@@ -530,8 +530,7 @@ def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: in
     unsettled += part[2]
     settings = _changed(settings, spec)
     every = len(known) == len(intervals) and len(known) >= 2  # (every probed step read a rate)
-    settles = ("MASTER_WEIGHTS", "DTYPE") + _optimizer_settles(every,
-                                                               alike_b1, alike_b2, alike_eps, unsettled)
+    settles = ("MASTER_WEIGHTS", "DTYPE") + _optimizer_settles(every, alike_b1, alike_b2, alike_eps, unsettled)
     settles = tuple(k for k in settles if k not in ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL"))
     if any(u.startswith("the learning rate per step") for u in unsettled):
         settings.pop("LR_SCHEDULE", None)
