@@ -204,8 +204,9 @@ def main(argv: list[str]) -> int:
     here = fingerprint()
     compared = 0
     for name in names:
-        if argv[0] == "check" and recorded_on(name) != here:
-            print(f"{name}: not compared: recorded on the arithmetic {recorded_on(name)}, this machine computes {here} "
+        at = recorded_on(name) if argv[0] == "check" else here
+        if at != here:
+            print(f"{name}: not compared: recorded on the arithmetic {at}, this machine computes {here} "
                   "(tests/cpu_arithmetic.py)")
             continue
         got = run_case(name)

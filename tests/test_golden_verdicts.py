@@ -20,10 +20,10 @@ def test_the_verdict_is_the_golden_one(name):
     """Where this machine computes the arithmetic the golden was recorded on (tests/cpu_arithmetic.py: the tests pin
     AVX2 kernels, so any x86-64 machine with AVX2 should); elsewhere its floats cannot hold to the last bit, and the
     case is skipped, saying both arithmetics. A golden with no arithmetic recorded fails: record it again."""
-    here = fingerprint()
-    assert recorded_on(name), f"{name}: the golden says no arithmetic; python tests/golden_verdicts.py record {name}"
-    if recorded_on(name) != here:
-        pytest.skip(f"recorded on the arithmetic {recorded_on(name)}, this machine computes {here}")
+    here, at = fingerprint(), recorded_on(name)
+    assert at, f"{name}: the golden says no arithmetic; python tests/golden_verdicts.py record {name}"
+    if at != here:
+        pytest.skip(f"recorded on the arithmetic {at}, this machine computes {here}")
     want = golden(name)
     got = run_case(name)
     diff = differences(want, got)
