@@ -3,13 +3,15 @@
 
 1. the IS cells at the lesson's shape (bench.toml: Qwen3-0.6B's shapes, random weights), lockstep, 6 steps, 128 tokens;
 2. a 10-step lockstep pair at the lesson's config (512 tokens);
-3. a free-run `matched` cell, 2 seeds a side, 4 steps, 128 tokens: TRL's generation on the same engine.
+3. a free-run `matched` cell, 2 seeds a side, 4 steps, 128 tokens: TRL's generation on the same engine;
+4. `lockstep_static`: the pair of 2. with `--tolerance static` (no noise twin), to see what the calibration costs.
 
 Every part runs with GPU_MEMORY_GB (31.8 GiB, an RTX 5090: torch's allocator capped to it, vLLM's 0.30 share taken
 of it), sampler.vllm_engine = "shared" (one engine for every side, TRL's free-run generation included) and
 sampler.vllm_sleep (TRL's vllm_enable_sleep_mode). A thread reads the whole card's memory in use
 (`nvidia-smi`, every process) every 0.2 s; each part's peak is printed beside torch's own peak. Each part's failure
-is printed without stopping the next. Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free;
+is printed without stopping the next. After each part, where its time went: each run's steps from its metrics
+log (`wall_s`, `gen_s`), and the rest (loads, set-up, comparison, report) as what is left of the part's wall. Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free;
 GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check
 of this script, not of vLLM).
 """
@@ -41,7 +43,31 @@ RUNS = {
     "is": ["--cells", "is=sequence_mask,matched:is=sequence_mask", "--steps", "6", "--set", "MAX_TOKENS=128"],
     "lockstep": ["--matrix", "none", "--steps", "10"],
     "free": ["--mode", "free", "--cells", "matched", "--steps", "4", "--set", "MAX_TOKENS=128", "--set", "FREE_SEEDS=2"],
+    "lockstep_static": ["--matrix", "none", "--steps", "10", "--tolerance", "static"],
 }
+RUNS["lockstep_again"] = RUNS["lockstep"]  # the same pair once more in the process: everything built, caches warm
+
+
+def breakdown(name: str, folder: Path, wall: float) -> list[str]:
+    """Where a part's wall went: per run (every cell's metrics.jsonl under its folder) the steps' sum, step 1, the median
+    of the later steps and their generation; the rest of the part's wall is loads, set-up, comparison and report."""
+    import statistics
+
+    lines, spent = [], 0.0
+    for log in sorted(folder.rglob("metrics.jsonl")):
+        if "shared-scratch" in log.parts:  # the scratch store: each cell holds a copy of the run it took from it
+            continue
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        walls = [float(r.get("wall_s") or 0.0) for r in rows]
+        gens = [float(r.get("gen_s") or 0.0) for r in rows]
+        if not walls:
+            continue
+        spent += sum(walls)
+        later = walls[1:] or walls
+        lines.append(f"| {name} | {log.parent.relative_to(folder)} | {len(walls)} | {sum(walls):.1f} | {walls[0]:.1f} "
+                     f"| {statistics.median(later):.2f} | {statistics.median(gens[1:] or gens):.2f} |")
+    lines.append(f"| {name} | (the rest: loads, set-up, comparison, report) | | {wall - spent:.1f} | | | |")
+    return lines
 
 
 class CardPeak:
@@ -76,7 +102,7 @@ def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     card = CardPeak()
     log: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "sets": SETS}
-    rows = []
+    rows, times = [], []
     for name in PARTS:
         folder = Path(f"/tmp/v32{name}")
         args = ["parity", "--spec", str(SPEC), "--out", str(folder), "--force", *RUNS[name],
@@ -90,9 +116,13 @@ def main(out: Path) -> int:
         for kind in ("verdict.json", "summary.txt"):
             if (folder / kind).exists():
                 (out / f"{name}_{kind}").write_bytes((folder / kind).read_bytes())
+        times += breakdown(name, folder, rows[-1][2])
+        print("\n".join(times[-4:]), flush=True)
     card._stop = True
     table = ["| part | exit | s | card peak (GiB, nvidia-smi) | torch reserved peak (GiB) |", "|---|---|---|---|---|"]
     table += [f"| {n} | {rc} | {s} | {c:.1f} | {t:.1f} |" for n, rc, s, c, t in rows]
+    table += ["", "| part | run | steps | steps' s | step 1 s | later steps, median s | their generation, median s |",
+              "|---|---|---|---|---|---|---|", *times]
     print("\n".join(table), flush=True)
     (out / "cap32.md").write_text("\n".join(table) + "\n")
     (out / "cap32.json").write_text(json.dumps({**log, "rows": rows}, indent=1))
