@@ -163,12 +163,14 @@ def train(spec, out_dir, rollout_source=None, progress: bool = True, noise_twin:
         decoder = static_decoder_for(spec, model, eos_ids, pad_id, device)
 
     # ---- optimizer: AdamW, no decay on biases and norms (as transformers' Trainer), LR schedule ----------
+    # OPTIM: the fused kernel (TRL's default), or torch's own choice of kernel (for-each on a GPU, for-loop on a CPU)
     skip = (lambda n: False) if spec.WEIGHT_DECAY_ALL else (lambda n: "bias" in n or "norm" in n.lower())  # a quirk
     decay = [p for n, p in model.named_parameters() if not skip(n)]
     no_decay = [p for n, p in model.named_parameters() if skip(n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=spec.LR, betas=(spec.ADAM_BETA1, spec.ADAM_BETA2), eps=spec.ADAM_EPS, fused=True)
+        lr=spec.LR, betas=(spec.ADAM_BETA1, spec.ADAM_BETA2), eps=spec.ADAM_EPS,
+        fused=True if spec.OPTIM == "adamw_torch_fused" else None)
     if spec.LR_STEPS:  # a schedule of your loop's own, one rate per step (a quirk: TRL's are named schedules)
         rates = [float(r) for r in spec.LR_STEPS]
         scheduler = LambdaLR(optimizer, lambda s: rates[min(s, len(rates) - 1)] / spec.LR)

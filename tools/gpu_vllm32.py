@@ -11,9 +11,10 @@ of it), sampler.vllm_engine = "shared" (one engine for every side, TRL's free-ru
 sampler.vllm_sleep (TRL's vllm_enable_sleep_mode). A thread reads the whole card's memory in use
 (`nvidia-smi`, every process) every 0.2 s; each part's peak is printed beside torch's own peak. Each part's failure
 is printed without stopping the next. After each part, where its time went: each run's steps from its metrics
-log (`wall_s`, `gen_s`), and the rest (loads, set-up, comparison, report) as what is left of the part's wall. Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free;
-GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check
-of this script, not of vLLM).
+log (`wall_s`, `gen_s`), and the rest (loads, set-up, comparison, report) as what is left of the part's wall.
+Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free (also lockstep_static, lockstep_again);
+GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check of
+this script, not of vLLM).
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def translate(spec) -> Translation:
         if spec.LR_SCHEDULE == "constant" else spec.LR_SCHEDULE,
         "warmup_steps": spec.WARMUP_STEPS,
         "adam_beta1": spec.ADAM_BETA1, "adam_beta2": spec.ADAM_BETA2, "adam_epsilon": spec.ADAM_EPS,
-        "weight_decay": spec.WEIGHT_DECAY, "max_grad_norm": spec.MAX_GRAD_NORM,
+        "weight_decay": spec.WEIGHT_DECAY, "max_grad_norm": spec.MAX_GRAD_NORM, "optim": spec.OPTIM,
         "max_steps": spec.STEPS, "seed": spec.SEED,
         "reward_weights": [float(w) for w in spec.rewards.weights],
         "use_vllm": spec.sampler.kind == "vllm",
@@ -360,8 +360,10 @@ def mapping_table(spec, kw: dict, overrides: dict) -> list[dict]:
                   f"{spec.ADAM_BETA1} / {spec.ADAM_BETA2} / {spec.ADAM_EPS} / {spec.WEIGHT_DECAY}",
                   "adam_beta1 / adam_beta2 / adam_epsilon / weight_decay",
                   f"{kw['adam_beta1']} / {kw['adam_beta2']} / {kw['adam_epsilon']} / {kw['weight_decay']}",
-                  "TRL's defaults: 0.9 / 0.999 / 1e-8 / 0.0; optim adamw_torch_fused (the scratch loop uses "
-                  "torch.optim.AdamW(fused=True) too)"))
+                  "TRL's defaults: 0.9 / 0.999 / 1e-8 / 0.0"))
+    T.append(_row("other", "OPTIM", spec.OPTIM, "optim", kw["optim"],
+                  "adamw_torch_fused: torch.optim.AdamW(fused=True) on both sides (TRL's default); adamw_torch: "
+                  "torch's own kernel choice on both sides"))
     T.append(_row("other", "MAX_GRAD_NORM", spec.MAX_GRAD_NORM, "max_grad_norm", kw["max_grad_norm"],
                   "grad_norm is logged before clipping on both sides"))
     T.append(_row("other", "MASK_TRUNCATED", spec.MASK_TRUNCATED, "mask_truncated_completions",

@@ -67,7 +67,7 @@ def short_value(key: str, value) -> str:
 def _untold(lead: dict) -> list[str]:
     """What this run could not tell, one line each, from the explanation's notes: each note that says so, its stage
     first ('Optimizer: ...'), the look-alike settings shortened to the setting and what it stands for."""
-    from harness.diagnose.explain import UNTOLD_TAIL
+    from harness.diagnose.look_alikes import UNTOLD_TAIL
 
     out = []
     for note in lead.get("notes") or []:

@@ -33,6 +33,7 @@ SCRATCH_OF_TRL = {
     "lr_scheduler_kwargs": ("LR_SCHEDULER_KWARGS", dict),
     "warmup_steps": ("WARMUP_STEPS", int), "adam_beta1": ("ADAM_BETA1", float), "adam_beta2": ("ADAM_BETA2", float),
     "adam_epsilon": ("ADAM_EPS", float), "weight_decay": ("WEIGHT_DECAY", float),
+    "optim": ("OPTIM", lambda v: str(getattr(v, "value", v))),
     "max_grad_norm": ("MAX_GRAD_NORM", float), "reward_weights": ("rewards.weights", lambda v: [float(w) for w in v]),
 }
 

@@ -33,11 +33,12 @@ from harness.diagnose import identify
 from harness.diagnose.as_trl import scratch_as_trl, trl_fields
 from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
-from harness.diagnose.explain_words import (clip_alike_words, confirmed_words, float32_notes, found_how,
+from harness.diagnose.look_alikes import look_alikes
+from harness.diagnose.explain_words import (confirmed_words, float32_notes, found_how,
                                             loss_in_value_words, suspected_words, write_table)
 from harness.diagnose.fitted import admissible, refused_words
 from harness.diagnose.identify.selection import implied as implied_selection
-from harness.diagnose.fields import CLIP_NORMS, LOOK_ALIKE, toml_value, words
+from harness.diagnose.fields import toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.search import Search, Trial, one_change, trl_moves
@@ -136,7 +137,7 @@ def explain(spec, cell_dir: Path, result: dict, log=print, table: tuple[Path, st
         notes += float32_notes(search.escalated_from, state.changes, spec_dtype)
     notes = candidate_notes(notes, start.findings, state.changes, state.agree)
     answer = _answer(search.base, state.changes, start, trace)
-    alike, cost = _look_alikes(search, state, yours)
+    alike, cost = look_alikes(search, state, yours)
     entry = {"cause": "+".join(sorted(answer.trl) + sorted(answer.quirks)) or "your loop", "fields": sorted(answer.trl),
              "quirks": answer.quirks, "differences": answer.differences, "trace": trace, "notes": notes + alike,
              "cost": cost}
@@ -331,53 +332,6 @@ def _answer(base, changes: dict, start: Start, trace: list[dict]) -> Answer:
                     "read_from_log": k in start.read and k not in start.identified, "identified": k in start.identified,
                     "from_tensors": k in from_tensors} for k, v in changes.items()]
     return Answer(trl, quirks, differences)
-
-
-def _look_alikes(search: Search, state: Trial, yours) -> tuple[list[str], dict]:
-    """Where the kept set agrees at every step, what else does as well: other clipping thresholds (with your loop's
-    logged norms, `yours`) and the look-alike settings, each said as what the run could not tell. With the search's
-    cost, the look-alikes' runs counted apart."""
-    notes = []
-    changes = state.changes
-    if "MAX_GRAD_NORM" in changes and state.agree >= search.steps:  # which other thresholds do as well?
-        found_at = changes["MAX_GRAD_NORM"]
-        alike = [v for v in CLIP_NORMS if v != found_at
-                 and search.whole({**changes, "MAX_GRAD_NORM": v}).agree >= search.steps]
-        if alike:
-            norms = yours["grad_norm"].dropna().astype(float).tolist() if "grad_norm" in yours.columns else []
-            notes.append(clip_alike_words(found_at, alike, norms, search.steps))
-    runs, steps_run, seconds = search.runs, search.steps_run, search.seconds
-    if state.agree >= search.steps:  # what else reproduces it as well: the run cannot tell those apart
-        notes += untold_words(search, changes)
-    cost = {"runs": runs, "steps": steps_run, "seconds": round(seconds, 1),
-            "look_alike_runs": search.runs - runs, "look_alike_seconds": round(search.seconds - seconds, 1)}
-    return notes, cost
-
-
-# what follows the setting in each look-alike note (the answer on the first screen shows the setting alone)
-UNTOLD_TAIL = ", the built-in loop reproduces your loop over all "
-
-
-def untold_words(search, changes: dict) -> list[str]:
-    """For a confirmed explanation: the look-alike settings (LOOK_ALIKE) that reproduce your loop over every step as
-    well, each said as what this run could not tell (a verdict claims only what the run shows)."""
-    base = apply_alignment(search.base, {"set": changes})
-    out = []
-    for key, values in LOOK_ALIKE.items():
-        if key == "KL_IS_CORRECTION" and not base.BETA or key in search.settled:
-            continue  # no KL term: nothing for its ratio factor to act on (a field your tensors settled: not a guess)
-        if key == "IS_CORRECTION" and base.sampler.kind == "policy" or key == "IS_MODE" and not base.IS_CORRECTION:
-            continue  # no separate sampler: no weight to apply; no correction: no mode
-        have = getattr(base, key)
-        alike = [v for v in values if v != have and search.whole({**changes, key: v}).agree >= search.steps]
-        if alike:
-            trl = trl_fields(search.base, {key: alike[0]}) or {key: alike[0]}
-            named = ", ".join(f"{k} = {toml_value(v)}" for k, v in trl.items())
-            out.append(f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, alike[1:]))})"
-                                                                    if alike[1:] else "")
-                       + f" instead of {toml_value(have)}{UNTOLD_TAIL}{search.steps} steps as well (the effect "
-                       "stays under the tolerance here)")
-    return out
 
 
 def _suspected(entry: dict, answer: Answer, evidence: str, search: Search, state: Trial, at: tuple[Path, str],

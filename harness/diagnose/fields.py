@@ -85,6 +85,11 @@ FIELDS = {
     "ADAM_BETA2": Field("adam_beta2", (0.999, 0.99, 0.98, 0.95, 0.9), 3, lambda v: f"uses Adam beta2 {v:g}",
                         look_alike=(0.999, 0.99, 0.98, 0.95)),  # (at a small learning rate)
     "ADAM_EPS": Field("adam_epsilon", (1e-6, 1e-5), 2, lambda v: f"uses Adam epsilon {v:g}"),
+    "OPTIM": Field("optim", ("adamw_torch_fused", "adamw_torch"), 2, lambda v: (  # (searched on bf16 weights only)
+        "steps AdamW with torch's fused kernel (each update in float32, rounded once)" if v == "adamw_torch_fused"
+        else "steps AdamW with torch's for-each or for-loop kernel (each moment and weight update rounded to the "
+             "weights' dtype op by op: `AdamW(model.parameters())` as torch builds it; TRL's default is the fused "
+             "kernel)"), look_alike=("adamw_torch_fused", "adamw_torch")),  # (tried on bf16 weights only)
     "WEIGHT_DECAY": Field("weight_decay", (0.0, 0.01, 0.1), 2, lambda v: f"decays weights by {v:g}",
                           look_alike=(0.0, 0.01, 0.1)),  # (at a small learning rate)
     # gradient-norm clipping thresholds (0: none; hand-written loops often clip at 0.1 or 0.2, TRL at 1.0). Under Adam

@@ -73,6 +73,8 @@ def options(spec, logged: set[str]) -> list[Option]:
         out += _each("WEIGHT_DECAY", [v for v in FIELDS["WEIGHT_DECAY"].values if v], (("WEIGHT_DECAY_ALL", True),))
     out += _others(spec, "MAX_GRAD_NORM") + _others(spec, "ADAM_EPS")
     out += _others(spec, "ADAM_BETA2") + _others(spec, "ADAM_BETA1")
+    if spec.MASTER_WEIGHTS != "float32":  # the AdamW kernels part on low-precision weights only (float32: rounding)
+        out += _others(spec, "OPTIM")
     if "learning_rate" not in logged:
         out += _others(spec, "LR_SCHEDULE")
     # the quirks: TRL has no setting for any of these (the scratch loop does)

@@ -349,6 +349,13 @@ class Spec:
     ADAM_BETA2: float = _f(0.999, "AdamW beta2 (the lesson: 0.98).", min=0.0, max=1.0)
     ADAM_EPS: float = _f(1e-8, "AdamW epsilon.", min=0.0, min_exclusive=True)
     WEIGHT_DECAY: float = _f(0.0, "AdamW decoupled weight decay.", min=0.0)
+    OPTIM: str = _f("adamw_torch_fused", "Which AdamW kernel steps the weights (TRL's `optim`): `adamw_torch_fused` "
+                    "(TRL's default with torch >= 2.8: torch.optim.AdamW(fused=True), each update computed in float32 "
+                    "and rounded once to the weights' dtype) or `adamw_torch` (torch.optim.AdamW with torch's own "
+                    "choice: its for-each kernels on a GPU, its for-loop on a CPU, each moment and weight update "
+                    "rounded to the weights' dtype op by op, as a loop that builds `AdamW(model.parameters())` gets). "
+                    "Alike on float32 weights to rounding; on bfloat16 weights (MASTER_WEIGHTS) they part.",
+                    choices=("adamw_torch_fused", "adamw_torch"))
     WEIGHT_DECAY_ALL: bool = _f(False, "Decay every parameter, norms and biases too (torch's AdamW on "
                                 "model.parameters(), verl's); TRL (transformers' Trainer) leaves biases and norm "
                                 "weights out.")

@@ -477,6 +477,73 @@ def _fits(intervals) -> bool:
     return all(iv is None or iv[0] <= iv[1] for iv in intervals) and any(iv is not None for iv in intervals)
 
 
+KERNELS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": False}}  # (for-each rounds as for-loop)
+KERNEL_RATES = 33  # the rates tried per step across the interval the rounded updates allow (the read rate too)
+
+
+def bf16_kernel_misses(p: _Probed, intervals: list, b1: float, b2: float, eps: float, clip: float,
+                       rate: float | None = None) -> dict:
+    """How many probed bf16 updates each AdamW kernel misses, replayed by torch itself on the probed slice: the fused
+    kernel computes each update in float32 and rounds once; the for-loop (and for-each) kernel rounds each moment
+    update and the step to bfloat16 op by op. Adam's moments are elementwise, so the slice replays alone: from zero
+    state at step 1, each step from your weights before it, with its gradient clipped as clip_grad_norm_ does in
+    bf16, at the rate that misses fewest (`rate`, and KERNEL_RATES across the step's interval). {kernel: misses per
+    step}; {} where a step's interval is unknown. A decay of lr x wd rounds to nothing on bf16 weights: left out."""
+    import torch
+
+    if any(iv is None or iv[0] > iv[1] for iv in intervals):
+        return {}
+    out = {}
+    for name, kw in KERNELS.items():
+        x = torch.nn.Parameter(torch.tensor(p.before[0], dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([x], lr=1.0, betas=(b1, b2), eps=eps, weight_decay=0.0, **kw)
+        misses = []
+        for (lo, hi), b, a, g, norm in zip(intervals, p.before, p.after, p.grads, p.norms):
+            grad = torch.tensor(g, dtype=torch.bfloat16)
+            if clip and math.isfinite(clip):  # (the total norm, its coefficient and the product all in bf16)
+                grad = grad * (clip / (torch.tensor(norm, dtype=torch.bfloat16) + 1e-6)).clamp(max=1.0)
+            start, target = torch.tensor(b, dtype=torch.bfloat16), torch.tensor(a, dtype=torch.bfloat16)
+            kept = {k: v.clone() for k, v in opt.state[x].items()}
+            best = None
+            for lr in ([rate] if rate else []) + list(np.linspace(lo, hi, KERNEL_RATES)):
+                opt.state[x] = {k: v.clone() for k, v in kept.items()}
+                with torch.no_grad():
+                    x.copy_(start)
+                x.grad = grad.clone()
+                opt.param_groups[0]["lr"] = float(lr)
+                opt.step()
+                miss = int((x.detach() != target).sum())
+                if best is None or miss < best[0]:
+                    best = (miss, {k: v.clone() for k, v in opt.state[x].items()})
+                if not miss:
+                    break
+            opt.state[x] = best[1]  # (the moments do not depend on the rate: any rate's carry the same state)
+            misses.append(best[0])
+        out[name] = misses
+    return out
+
+
+def _kernel(p: _Probed, b1, alike_b2, eps, clip, rate) -> tuple[dict, list, list]:
+    """The AdamW kernel as the rounded updates tell it, over every beta2 they leave alike: (settings, words,
+    unsettled). One kernel that reproduces every probed update at some such beta2 where the other reproduces them at
+    none is read; both reproducing them is said as what the run could not tell (the kernels part on a few elements a
+    step, which a probed slice may not hold)."""
+    exact = {}  # kernel -> the beta2 values at which it reproduces every probed update
+    for b2 in alike_b2:
+        for name, misses in bf16_kernel_misses(p, _bf16_intervals(p, b1, b2, eps, clip), b1, b2, eps, clip,
+                                               rate).items():
+            if not any(misses):
+                exact.setdefault(name, []).append(b2)
+    if len(exact) == 1:
+        name, other = next(iter(exact)), next(k for k in KERNELS if k not in exact)
+        return ({"OPTIM": name}, [f"with {'the fused' if name == 'adamw_torch_fused' else 'the for-loop'} AdamW "
+                 f"kernel (optim = {name}: it reproduces every probed update; {other} misses some)"], [])
+    if len(exact) == 2:
+        return {}, [], ["the AdamW kernel: the fused one (optim = adamw_torch_fused) and torch's for-loop or for-each "
+                        "(optim = adamw_torch) reproduce every probed rounded update alike"]
+    return {}, [], []
+
+
 def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: int | None) -> Finding:
     """Adam(W) on weights held in bfloat16: the updates are rounded to each weight's bf16 spacing, so a least-squares
     rate would fit the rounding (most small updates round to nothing); instead each (beta1, beta2, threshold) is
@@ -524,13 +591,16 @@ def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: in
     rate = settings.get("LR", getattr(spec, "LR", 0.0)) or 1e-300
     unsettled.append(f"weight decay cannot show on bfloat16 weights: a decay multiplies each weight by 1 - lr x wd, "
                      f"which rounds back to the weight itself below wd = {2 ** -9 / rate:.3g} at this rate")
-    part = _clipping(clip, alike_clip, finite, spec)
-    settings.update(part[0])
-    words += part[1]
-    unsettled += part[2]
+    kernel = _kernel(p, b1, alike_b2, eps, clip, settings.get("LR") if settings.get("LR_SCHEDULE") == "constant"
+                     and not settings.get("WARMUP_STEPS") else None)
+    for part in (_clipping(clip, alike_clip, finite, spec), kernel):
+        settings.update(part[0])
+        words += part[1]
+        unsettled += part[2]
     settings = _changed(settings, spec)
     every = len(known) == len(intervals) and len(known) >= 2  # (every probed step read a rate)
     settles = ("MASTER_WEIGHTS", "DTYPE") + _optimizer_settles(every, alike_b1, alike_b2, alike_eps, unsettled)
+    settles += ("OPTIM",) if kernel[1] else ()  # (read only where one kernel alone reproduces every update)
     settles = tuple(k for k in settles if k not in ("WEIGHT_DECAY", "WEIGHT_DECAY_ALL"))
     if any(u.startswith("the learning rate per step") for u in unsettled):
         settings.pop("LR_SCHEDULE", None)
@@ -545,6 +615,7 @@ def _changed(settings: dict, spec) -> dict:
     """The settings that differ from the spec's own (a threshold of 0 where the spec clips at none stays out)."""
     if not spec:
         return settings
-    has = {k: getattr(spec, k, {"MASTER_WEIGHTS": "float32", "DTYPE": "float32"}.get(k)) for k in settings}
+    has = {k: getattr(spec, k, {"MASTER_WEIGHTS": "float32", "DTYPE": "float32", "OPTIM": "adamw_torch_fused"}.get(k))
+           for k in settings}
     return {k: v for k, v in settings.items() if not _same(has[k], v) and not (k == "MAX_GRAD_NORM" and not v
                                                                               and not has[k])}
