@@ -18,12 +18,13 @@ from harness.experiment.spec import SpecError, load_spec
 opt_stage = importlib.import_module("harness.diagnose.identify.optimizer")
 
 
-def _probe_rows(kernel: dict, steps: int = 5, n: int = 4096, lr: float = 1e-3, b2: float = 0.999) -> tuple:
+def _probe_rows(kernel: dict, steps: int = 5, n: int = 4096, lr: float = 1e-3, b2: float = 0.999,
+                wd: float = 0.0) -> tuple:
     """A bf16 'loop' stepped by torch's AdamW with `kernel`: the Probe's rows (before, gradient, after) of one
     4096-element slice and each step's gradient norm. The gradients are bf16 numbers, as a bf16 model's are."""
     gen = torch.Generator().manual_seed(0)
     x = torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).bfloat16())
-    opt = torch.optim.AdamW([x], lr=lr, betas=(0.9, b2), eps=1e-8, weight_decay=0.0, **kernel)
+    opt = torch.optim.AdamW([x], lr=lr, betas=(0.9, b2), eps=1e-8, weight_decay=wd, **kernel)
     rows, norms = [], []
     for _ in range(steps):
         g = (torch.randn(n, generator=gen) * 1e-3).bfloat16()
@@ -50,6 +51,23 @@ def test_each_kernel_replays_its_own_updates_exactly_and_misses_the_others():
         misses = opt_stage.bf16_kernel_misses(p, intervals, 0.9, 0.999, 1e-8, math.inf, rate=1e-3)
         assert misses[same] == [0] * 5, (made_by, misses)
         assert sum(misses[other]) > 0, (made_by, misses)
+
+
+def test_the_for_each_kernel_replays_as_the_for_loop_one_without_a_known_rate():
+    """torch's for-each kernel (its choice on a GPU) rounds as its for-loop kernel does: a slice it stepped replays
+    exactly as adamw_torch, with the rate found in each step's interval alone (no rate given)."""
+    p = opt_stage._probed(*_probe_rows({"foreach": True}))
+    misses = opt_stage.bf16_kernel_misses(p, opt_stage._bf16_intervals(p, 0.9, 0.999, 1e-8, math.inf), 0.9, 0.999,
+                                          1e-8, math.inf)
+    assert misses["adamw_torch"] == [0] * 5 and sum(misses["adamw_torch_fused"]) > 0, misses
+
+
+def test_a_fused_decay_that_tips_roundings_still_reads_the_fused_kernel():
+    """The fused kernel decays in float32 before it rounds (at lr 1e-3 and decay 0.01 that tips some roundings): the
+    replay tries the decays, so the slice still reads as the fused kernel, not as neither."""
+    spec = load_spec(DEFAULT_SPEC, ["STEPS=12", "LR=0.001", "ADAM_BETA2=0.999", "MAX_GRAD_NORM=0.0"])
+    found = opt_stage.optimizer(*_probe_rows(FUSED, wd=0.01), spec, steps_total=12)
+    assert "the fused AdamW kernel" in found.rule and "OPTIM" in found.settles, (found.rule, found.unsettled)
 
 
 def test_the_stage_reads_the_for_loop_kernel_and_sets_optim():

@@ -33,13 +33,13 @@ from harness.diagnose import identify
 from harness.diagnose.as_trl import scratch_as_trl, trl_fields
 from harness.diagnose.cell import EXPLAIN_FILE
 from harness.diagnose.compare import steps_logged_words
-from harness.diagnose.look_alikes import look_alikes
 from harness.diagnose.explain_words import (confirmed_words, float32_notes, found_how,
                                             loss_in_value_words, suspected_words, write_table)
 from harness.diagnose.fitted import admissible, refused_words
 from harness.diagnose.identify.selection import implied as implied_selection
 from harness.diagnose.fields import toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
+from harness.diagnose.look_alikes import look_alikes
 from harness.diagnose.preflight import apply_alignment
 from harness.diagnose.search import Search, Trial, one_change, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words

@@ -86,7 +86,7 @@ FIELDS = {
                         look_alike=(0.999, 0.99, 0.98, 0.95)),  # (at a small learning rate)
     "ADAM_EPS": Field("adam_epsilon", (1e-6, 1e-5), 2, lambda v: f"uses Adam epsilon {v:g}"),
     "OPTIM": Field("optim", ("adamw_torch_fused", "adamw_torch"), 2, lambda v: (  # (searched on bf16 weights only)
-        "steps AdamW with torch's fused kernel (each update in float32, rounded once)" if v == "adamw_torch_fused"
+        "steps AdamW with torch's fused kernel (each weight update in float32, rounded once)" if v == "adamw_torch_fused"
         else "steps AdamW with torch's for-each or for-loop kernel (each moment and weight update rounded to the "
              "weights' dtype op by op: `AdamW(model.parameters())` as torch builds it; TRL's default is the fused "
              "kernel)"), look_alike=("adamw_torch_fused", "adamw_torch")),  # (tried on bf16 weights only)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from harness.diagnose.as_trl import trl_fields
 from harness.diagnose.explain_words import clip_alike_words
 from harness.diagnose.fields import CLIP_NORMS, FIELDS, LOOK_ALIKE, toml_value
-from harness.diagnose.search import Search, Trial
 from harness.diagnose.preflight import apply_alignment
+from harness.diagnose.search import Search, Trial
 
 
 def look_alikes(search: Search, state: Trial, yours) -> tuple[list[str], dict]:
@@ -76,8 +76,8 @@ def _with_other_kernel(search, changes: dict, key: str, values: list, have) -> l
     if not alike:
         return []
     named = ", ".join(f"{k} = {toml_value(v)}" for k, v in
-                      (trl_fields(search.base, {key: alike[0], "OPTIM": other}) or {key: alike[0]}).items())
-    return [f"this run could not tell: with {named}" + (f" (or {key} {', '.join(map(str, alike[1:]))})"
-                                                        if alike[1:] else "")
+                      (trl_fields(search.base, {key: alike[0], "OPTIM": other}) or {key: alike[0], "OPTIM": other}
+                       ).items())
+    return [f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, alike[1:]))})" if alike[1:] else "")
             + f" instead of {toml_value(have)} and {toml_value(base.OPTIM)}{UNTOLD_TAIL}{search.steps} steps as well "
             "(the kernels round bf16 weights apart; the effect stays under the tolerance here)"]

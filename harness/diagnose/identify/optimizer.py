@@ -477,71 +477,106 @@ def _fits(intervals) -> bool:
     return all(iv is None or iv[0] <= iv[1] for iv in intervals) and any(iv is not None for iv in intervals)
 
 
-KERNELS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": False}}  # (for-each rounds as for-loop)
-KERNEL_RATES = 33  # the rates tried per step across the interval the rounded updates allow (the read rate too)
+KERNELS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": False}}  # (for-each rounds as for-loop
+# on CPU: the same weights over 12 steps, 20,000 elements; on a GPU unchecked)
+KERNEL_NAMES = {"adamw_torch_fused": "the fused", "adamw_torch": "the for-loop"}
+KERNEL_RATES = 33  # the rates tried per step across the interval the rounded updates allow (the read rate first)
+KERNEL_ZOOMS = 3  # rounds of that scan, each around the best rate of the last
+KERNEL_DECAYS = (0.0, 0.01, 0.1)  # the fused kernel decays in float32 before it rounds: a decay can tip a rounding
 
 
 def bf16_kernel_misses(p: _Probed, intervals: list, b1: float, b2: float, eps: float, clip: float,
                        rate: float | None = None) -> dict:
-    """How many probed bf16 updates each AdamW kernel misses, replayed by torch itself on the probed slice: the fused
-    kernel computes each update in float32 and rounds once; the for-loop (and for-each) kernel rounds each moment
-    update and the step to bfloat16 op by op. Adam's moments are elementwise, so the slice replays alone: from zero
-    state at step 1, each step from your weights before it, with its gradient clipped as clip_grad_norm_ does in
-    bf16, at the rate that misses fewest (`rate`, and KERNEL_RATES across the step's interval). {kernel: misses per
-    step}; {} where a step's interval is unknown. A decay of lr x wd rounds to nothing on bf16 weights: left out."""
-    import torch
-
+    """How many probed bf16 updates each AdamW kernel misses, replayed by torch itself (its CPU kernels) on the probed
+    slice: the fused kernel computes each weight update in float32 and rounds it once (its moments stored in bf16);
+    the for-loop (and for-each) kernel rounds each moment update and the step to bfloat16 op by op. Adam's moments are
+    elementwise, so the slice replays alone: from zero state at step 1, each step from your weights before it, with
+    its gradient clipped as clip_grad_norm_ does in bf16, at the rate that misses fewest (`rate`, then KERNEL_RATES
+    across the step's interval, KERNEL_ZOOMS rounds). The for-loop kernel's decay (weights times 1 - lr x wd, in
+    bf16) rounds back to each weight; the fused kernel's can tip a rounding, so it is replayed at each of
+    KERNEL_DECAYS, on the weights a decay reaches or on all, and the fewest misses kept. {kernel: misses per step};
+    {} where a step's interval is unknown."""
     if any(iv is None or iv[0] > iv[1] for iv in intervals):
         return {}
-    out = {}
-    for name, kw in KERNELS.items():
-        x = torch.nn.Parameter(torch.tensor(p.before[0], dtype=torch.bfloat16))
-        opt = torch.optim.AdamW([x], lr=1.0, betas=(b1, b2), eps=eps, weight_decay=0.0, **kw)
-        misses = []
-        for (lo, hi), b, a, g, norm in zip(intervals, p.before, p.after, p.grads, p.norms):
-            grad = torch.tensor(g, dtype=torch.bfloat16)
-            if clip and math.isfinite(clip):  # (the total norm, its coefficient and the product all in bf16)
-                grad = grad * (clip / (torch.tensor(norm, dtype=torch.bfloat16) + 1e-6)).clamp(max=1.0)
-            start, target = torch.tensor(b, dtype=torch.bfloat16), torch.tensor(a, dtype=torch.bfloat16)
-            kept = {k: v.clone() for k, v in opt.state[x].items()}
-            best = None
-            for lr in ([rate] if rate else []) + list(np.linspace(lo, hi, KERNEL_RATES)):
-                opt.state[x] = {k: v.clone() for k, v in kept.items()}
-                with torch.no_grad():
-                    x.copy_(start)
-                x.grad = grad.clone()
-                opt.param_groups[0]["lr"] = float(lr)
-                opt.step()
-                miss = int((x.detach() != target).sum())
-                if best is None or miss < best[0]:
-                    best = (miss, {k: v.clone() for k, v in opt.state[x].items()})
-                if not miss:
-                    break
-            opt.state[x] = best[1]  # (the moments do not depend on the rate: any rate's carry the same state)
-            misses.append(best[0])
-        out[name] = misses
+    out = {"adamw_torch": _replay(p, intervals, (b1, b2, eps, clip), rate, {"foreach": False}, 0.0, None)}
+    fused = [_replay(p, intervals, (b1, b2, eps, clip), rate, {"fused": True}, wd, scope)
+             for wd in KERNEL_DECAYS for scope in ((None,) if not wd else (p.decay, None))]
+    out["adamw_torch_fused"] = min(fused, key=sum)
     return out
 
 
-def _kernel(p: _Probed, b1, alike_b2, eps, clip, rate) -> tuple[dict, list, list]:
-    """The AdamW kernel as the rounded updates tell it, over every beta2 they leave alike: (settings, words,
-    unsettled). One kernel that reproduces every probed update at some such beta2 where the other reproduces them at
-    none is read; both reproducing them is said as what the run could not tell (the kernels part on a few elements a
-    step, which a probed slice may not hold)."""
+def _replay(p: _Probed, intervals: list, adam: tuple, rate, kw: dict, wd: float, decay) -> list[int]:
+    """One kernel's misses per probed step (bf16_kernel_misses), with decay `wd` on the elements `decay` marks (None:
+    every element)."""
+    import torch
+
+    b1, b2, eps, clip = adam
+    parts = [np.ones(len(p.before[0]), dtype=bool)] if decay is None else [decay, ~decay]
+    parts = [m for m in parts if m.any()]
+    xs = [torch.nn.Parameter(torch.tensor(p.before[0][m], dtype=torch.bfloat16)) for m in parts]
+    groups = [{"params": [x], "weight_decay": wd if k == 0 else 0.0} for k, x in enumerate(xs)]
+    opt = torch.optim.AdamW(groups, lr=1.0, betas=(b1, b2), eps=eps, **kw)
+    misses = []
+    for (lo, hi), b, a, g, norm in zip(intervals, p.before, p.after, p.grads, p.norms):
+        grad = torch.tensor(g, dtype=torch.bfloat16)
+        if clip and math.isfinite(clip):  # (the total norm, its coefficient and the product all in bf16)
+            grad = grad * (clip / (torch.tensor(norm, dtype=torch.bfloat16) + 1e-6)).clamp(max=1.0)
+        kept = [{k: v.clone() for k, v in opt.state[x].items()} for x in xs]
+
+        def step_at(lr: float) -> tuple:
+            for x, m, state in zip(xs, parts, kept):
+                opt.state[x] = {k: v.clone() for k, v in state.items()}
+                with torch.no_grad():
+                    x.copy_(torch.tensor(b[m], dtype=torch.bfloat16))
+                x.grad = grad[torch.from_numpy(m)].clone()
+            for group in opt.param_groups:
+                group["lr"] = float(lr)
+            opt.step()
+            miss = sum(int((x.detach() != torch.tensor(a[m], dtype=torch.bfloat16)).sum()) for x, m in zip(xs, parts))
+            return miss, lr, [{k: v.clone() for k, v in opt.state[x].items()} for x in xs]
+
+        best = step_at(rate) if rate else None
+        for _ in range(KERNEL_ZOOMS):  # the rates that reproduce a step can be a window of 1e-4 of the interval:
+            if best is not None and not best[0]:  # each round scans around the best so far, a grid spacing each side
+                break
+            for lr in np.linspace(lo, hi, KERNEL_RATES):
+                tried = step_at(lr)
+                if best is None or tried[0] < best[0]:
+                    best = tried
+                if not tried[0]:
+                    break
+            width = (hi - lo) / (KERNEL_RATES - 1)
+            lo, hi = max(best[1] - width, 0.0), best[1] + width
+        for x, state in zip(xs, best[2]):  # (the moments do not depend on the rate: any rate's carry the same state)
+            opt.state[x] = state
+        misses.append(best[0])
+    return misses
+
+
+def _kernel(p: _Probed, b1, b2, alike_b2, eps, clip, rate) -> tuple[dict, list, list]:
+    """The AdamW kernel as the rounded updates tell it: (settings, words, unsettled). A kernel is read where it alone
+    reproduces every probed update at the beta2 read (`b2`) and the other kernel does so at no beta2 the updates
+    leave alike (`alike_b2`); both reproducing them at some such beta2 is said as what the run could not tell (the
+    kernels part on a few elements a step, which a probed slice may not hold); neither, as a kernel not read."""
     exact = {}  # kernel -> the beta2 values at which it reproduces every probed update
-    for b2 in alike_b2:
-        for name, misses in bf16_kernel_misses(p, _bf16_intervals(p, b1, b2, eps, clip), b1, b2, eps, clip,
+    for x in dict.fromkeys([b2, *alike_b2]):
+        for name, misses in bf16_kernel_misses(p, _bf16_intervals(p, b1, x, eps, clip), b1, x, eps, clip,
                                                rate).items():
             if not any(misses):
-                exact.setdefault(name, []).append(b2)
-    if len(exact) == 1:
+                exact.setdefault(name, []).append(x)
+    if len(exact) == 1 and b2 in next(iter(exact.values())):
         name, other = next(iter(exact)), next(k for k in KERNELS if k not in exact)
-        return ({"OPTIM": name}, [f"with {'the fused' if name == 'adamw_torch_fused' else 'the for-loop'} AdamW "
-                 f"kernel (optim = {name}: it reproduces every probed update; {other} misses some)"], [])
+        return ({"OPTIM": name}, [f"with {KERNEL_NAMES[name]} AdamW kernel (optim = {name}: it reproduces every "
+                                  f"probed update; {other} misses some at every beta2 alike)"], [])
+    if len(exact) == 1:  # at other betas only: read with them, or the other kernel at the read one, alike
+        name, at = next(iter(exact.items()))
+        return {}, [], [f"the AdamW kernel: {KERNEL_NAMES[name]} one (optim = {name}) reproduces every probed rounded "
+                        f"update at beta2 {', '.join(f'{x:g}' for x in at)} only, neither kernel at the {b2:g} read"]
     if len(exact) == 2:
         return {}, [], ["the AdamW kernel: the fused one (optim = adamw_torch_fused) and torch's for-loop or for-each "
                         "(optim = adamw_torch) reproduce every probed rounded update alike"]
-    return {}, [], []
+    return {}, [], ["the AdamW kernel: neither the fused one nor torch's for-loop, replayed on the probed slice at the "
+                    "betas read, reproduces every rounded update (a rate or a clip read to its interval only)"]
 
 
 def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: int | None) -> Finding:
@@ -591,7 +626,7 @@ def _bf16_optimizer(p: _Probed, clips: list, finite: list, spec, steps_total: in
     rate = settings.get("LR", getattr(spec, "LR", 0.0)) or 1e-300
     unsettled.append(f"weight decay cannot show on bfloat16 weights: a decay multiplies each weight by 1 - lr x wd, "
                      f"which rounds back to the weight itself below wd = {2 ** -9 / rate:.3g} at this rate")
-    kernel = _kernel(p, b1, alike_b2, eps, clip, settings.get("LR") if settings.get("LR_SCHEDULE") == "constant"
+    kernel = _kernel(p, b1, b2, alike_b2, eps, clip, settings.get("LR") if settings.get("LR_SCHEDULE") == "constant"
                      and not settings.get("WARMUP_STEPS") else None)
     for part in (_clipping(clip, alike_clip, finite, spec), kernel):
         settings.update(part[0])
