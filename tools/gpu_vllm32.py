@@ -54,11 +54,13 @@ def breakdown(name: str, folder: Path, wall: float) -> list[str]:
     of the later steps and their generation; the rest of the part's wall is loads, set-up, comparison and report."""
     import statistics
 
+    from harness.runlog.log import read_metrics
+
     lines, spent = [], 0.0
     for log in sorted(folder.rglob("metrics.jsonl")):
         if "shared-scratch" in log.parts:  # the scratch store: each cell holds a copy of the run it took from it
             continue
-        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        rows, _problems = read_metrics(log)
         walls = [float(r.get("wall_s") or 0.0) for r in rows]
         gens = [float(r.get("gen_s") or 0.0) for r in rows]
         if not walls:

@@ -51,15 +51,19 @@ def untold_words(search, changes: dict) -> list[str]:
         have = getattr(base, key)
         alike = [v for v in values if v != have and search.whole({**changes, key: v}).agree >= search.steps]
         if key in KERNEL_PAIRED and base.MASTER_WEIGHTS != "float32" and "OPTIM" not in search.settled:
-            out += _with_other_kernel(search, changes, key, [v for v in values if v != have and v not in alike], have)
+            out += _with_other_kernel(search, base, changes, key, [v for v in values if v != have and v not in alike])
         if alike:
-            trl = trl_fields(search.base, {key: alike[0]}) or {key: alike[0]}
-            named = ", ".join(f"{k} = {toml_value(v)}" for k, v in trl.items())
-            out.append(f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, alike[1:]))})"
-                                                                    if alike[1:] else "")
-                       + f" instead of {toml_value(have)}{UNTOLD_TAIL}{search.steps} steps as well (the effect "
-                       "stays under the tolerance here)")
+            out.append(_untold(search, {key: alike[0]}, alike[1:], toml_value(have), "the effect stays under the "
+                               "tolerance here"))
     return out
+
+
+def _untold(search, setting: dict, others: list, instead: str, why: str) -> str:
+    """One look-alike note: `setting` (and the same field at `others`) reproduces your loop over every step as well,
+    in place of `instead`, for the reason `why`; the setting named as its TRL fields where it has them."""
+    named = ", ".join(f"{k} = {toml_value(v)}" for k, v in (trl_fields(search.base, setting) or setting).items())
+    return (f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, others))})" if others else "")
+            + f" instead of {instead}{UNTOLD_TAIL}{search.steps} steps as well ({why})")
 
 
 # the Adam setting whose effect the AdamW kernel's rounding trades against on bf16 weights (the for-loop kernel rounds
@@ -67,17 +71,13 @@ def untold_words(search, changes: dict) -> list[str]:
 KERNEL_PAIRED = ("ADAM_BETA2",)
 
 
-def _with_other_kernel(search, changes: dict, key: str, values: list, have) -> list[str]:
+def _with_other_kernel(search, base, changes: dict, key: str, values: list) -> list[str]:
     """On low-precision weights with the AdamW kernel untold: the values of `key` that reproduce your loop with the
-    other kernel (optim), said as what the run could not tell beside the kept set."""
-    base = apply_alignment(search.base, {"set": changes})
+    other kernel (optim), said as what the run could not tell beside the kept set (`base`: the spec it stands for)."""
     other = next(k for k in FIELDS["OPTIM"].values if k != base.OPTIM)
     alike = [v for v in values if search.whole({**changes, key: v, "OPTIM": other}).agree >= search.steps]
     if not alike:
         return []
-    named = ", ".join(f"{k} = {toml_value(v)}" for k, v in
-                      (trl_fields(search.base, {key: alike[0], "OPTIM": other}) or {key: alike[0], "OPTIM": other}
-                       ).items())
-    return [f"this run could not tell: with {named}" + (f" (or {', '.join(map(str, alike[1:]))})" if alike[1:] else "")
-            + f" instead of {toml_value(have)} and {toml_value(base.OPTIM)}{UNTOLD_TAIL}{search.steps} steps as well "
-            "(the kernels round bf16 weights apart; the effect stays under the tolerance here)"]
+    return [_untold(search, {key: alike[0], "OPTIM": other}, alike[1:],
+                    f"{toml_value(getattr(base, key))} and {toml_value(base.OPTIM)}",
+                    "the kernels round bf16 weights apart; the effect stays under the tolerance here")]

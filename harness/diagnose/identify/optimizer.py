@@ -498,8 +498,9 @@ def bf16_kernel_misses(p: _Probed, intervals: list, b1: float, b2: float, eps: f
     {} where a step's interval is unknown."""
     if any(iv is None or iv[0] > iv[1] for iv in intervals):
         return {}
-    out = {"adamw_torch": _replay(p, intervals, (b1, b2, eps, clip), rate, {"foreach": False}, 0.0, None)}
-    fused = [_replay(p, intervals, (b1, b2, eps, clip), rate, {"fused": True}, wd, scope)
+    adam = (b1, b2, eps, clip)
+    out = {"adamw_torch": _replay(p, intervals, adam, rate, KERNELS["adamw_torch"], 0.0, None)}
+    fused = [_replay(p, intervals, adam, rate, KERNELS["adamw_torch_fused"], wd, scope)
              for wd in KERNEL_DECAYS for scope in ((None,) if not wd else (p.decay, None))]
     out["adamw_torch_fused"] = min(fused, key=sum)
     return out
@@ -522,17 +523,20 @@ def _replay(p: _Probed, intervals: list, adam: tuple, rate, kw: dict, wd: float,
         if clip and math.isfinite(clip):  # (the total norm, its coefficient and the product all in bf16)
             grad = grad * (clip / (torch.tensor(norm, dtype=torch.bfloat16) + 1e-6)).clamp(max=1.0)
         kept = [{k: v.clone() for k, v in opt.state[x].items()} for x in xs]
+        starts = [torch.tensor(b[m], dtype=torch.bfloat16) for m in parts]
+        targets = [torch.tensor(a[m], dtype=torch.bfloat16) for m in parts]
+        grads = [grad[torch.from_numpy(m)] for m in parts]
 
         def step_at(lr: float) -> tuple:
-            for x, m, state in zip(xs, parts, kept):
+            for x, state, start, g_part in zip(xs, kept, starts, grads):
                 opt.state[x] = {k: v.clone() for k, v in state.items()}
                 with torch.no_grad():
-                    x.copy_(torch.tensor(b[m], dtype=torch.bfloat16))
-                x.grad = grad[torch.from_numpy(m)].clone()
+                    x.copy_(start)
+                x.grad = g_part.clone()
             for group in opt.param_groups:
                 group["lr"] = float(lr)
             opt.step()
-            miss = sum(int((x.detach() != torch.tensor(a[m], dtype=torch.bfloat16)).sum()) for x, m in zip(xs, parts))
+            miss = sum(int((x.detach() != target).sum()) for x, target in zip(xs, targets))
             return miss, lr, [{k: v.clone() for k, v in opt.state[x].items()} for x in xs]
 
         best = step_at(rate) if rate else None
