@@ -28,6 +28,7 @@ def test_matched_specs_are_aligned():
     ('trl.loss_type="dapo"', "loss_type"),
     ('trl.vllm_importance_sampling_correction=true', None),  # no sampler to correct for: nothing changes
     ("trl.adam_beta2=0.999", "other:adam_beta2"),
+    ('trl.optim="adamw_torch"', "other:optim"),  # the AdamW kernel: its own row, not a generic [trl] override
     ('trl.lr_scheduler_type="linear"', "other:lr_scheduler_type"),
     ('trl.scale_rewards="batch"', "other:scale_rewards"),
     ("trl.num_train_epochs=3", "other:num_train_epochs"),
@@ -68,6 +69,7 @@ def test_lessons_three_checks_come_first_and_alignment_removes_them():
     ('BATCH_MAPPING="naive"', "batch", {"per_device_train_batch_size": 8}, {}, "counts completions, not prompts"),
     ('trl.loss_type="dapo"', "loss_type", {"loss_type": "grpo"}, {}, "TRL averages over tokens"),
     ("trl.adam_beta2=0.999", "other:adam_beta2", {"adam_beta2": 0.99}, {}, "adam beta2: TRL 0.999"),
+    ('trl.optim="adamw_torch"', "other:optim", {"optim": "adamw_torch_fused"}, {}, "AdamW kernel (optim): TRL"),
     # TRL has no population std: the only way to match is on the scratch side, and the sentence says so
     ('STD="population"', "other:STD", {}, {"STD": "bessel"}, "TRL has no setting for it"),
 ])

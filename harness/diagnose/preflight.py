@@ -118,6 +118,7 @@ def side_facts(spec, tr: Translation, n_rows: int | None = None) -> tuple[dict, 
     other("adam beta2", spec.ADAM_BETA2, kw["adam_beta2"], "adam_beta2", "ADAM_BETA2")
     other("adam epsilon", spec.ADAM_EPS, kw["adam_epsilon"], "adam_epsilon", "ADAM_EPS")
     other("weight decay", spec.WEIGHT_DECAY, kw["weight_decay"], "weight_decay", "WEIGHT_DECAY")
+    other("AdamW kernel (optim)", spec.OPTIM, kw["optim"], "optim", "OPTIM")
     other("grad-norm clip", spec.MAX_GRAD_NORM, kw["max_grad_norm"], "max_grad_norm", "MAX_GRAD_NORM")
     other("optimizer steps", spec.STEPS, kw["max_steps"], "max_steps", "STEPS")
     other("seed", spec.SEED, kw["seed"], "seed", "SEED")
