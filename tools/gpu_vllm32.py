@@ -11,7 +11,9 @@ of it), sampler.vllm_engine = "shared" (one engine for every side, TRL's free-ru
 sampler.vllm_sleep (TRL's vllm_enable_sleep_mode). A thread reads the whole card's memory in use
 (`nvidia-smi`, every process) every 0.2 s; each part's peak is printed beside torch's own peak. Each part's failure
 is printed without stopping the next. After each part, where its time went: each run's steps from its metrics
-log (`wall_s`, `gen_s`), and the rest (loads, set-up, comparison, report) as what is left of the part's wall.
+log (`wall_s`, `gen_s`), and the rest (loads, set-up, comparison, report) as what is left of the part's wall; and
+the vLLM engine's own seconds by phase (samplers.VLLM_SECONDS: building it, waking it, pushing the weights,
+generating, putting it to sleep).
 Usage: python3 tools/gpu_vllm32.py OUT_DIR; PARTS=is,lockstep,free (also lockstep_static, lockstep_again);
 GIB=31.8; SLEEP=true; ENGINE=shared (or per_side); DRY=1: the same parts on CPU with the emulated sampler (a check of
 this script, not of vLLM).
@@ -46,6 +48,7 @@ RUNS = {
     "free": ["--mode", "free", "--cells", "matched", "--steps", "4", "--set", "MAX_TOKENS=128", "--set", "FREE_SEEDS=2"],
     "lockstep_static": ["--matrix", "none", "--steps", "10", "--tolerance", "static"],
 }
+VLLM_PHASES = ("build", "wake", "push", "generate", "sleep")  # samplers.VLLM_SECONDS: the engine's time, by phase
 RUNS["lockstep_again"] = RUNS["lockstep"]  # the same pair once more in the process: everything built, caches warm
 
 
@@ -105,7 +108,7 @@ def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     card = CardPeak()
     log: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "sets": SETS}
-    rows, times = [], []
+    rows, times, engine = [], [], []
     for name in PARTS:
         folder = Path(f"/tmp/v32{name}")
         args = ["parity", "--spec", str(SPEC), "--out", str(folder), "--force", *RUNS[name],
@@ -120,12 +123,17 @@ def main(out: Path) -> int:
             if (folder / kind).exists():
                 (out / f"{name}_{kind}").write_bytes((folder / kind).read_bytes())
         times += breakdown(name, folder, rows[-1][2])
-        print("\n".join(times[-4:]), flush=True)
+        from harness.rollouts.samplers import VLLM_SECONDS
+
+        engine.append(f"| {name} | " + " | ".join(f"{VLLM_SECONDS.pop(k, 0.0):.1f}" for k in VLLM_PHASES) + " |")
+        print("\n".join(times[-4:] + engine[-1:]), flush=True)
     card._stop = True
     table = ["| part | exit | s | card peak (GiB, nvidia-smi) | torch reserved peak (GiB) |", "|---|---|---|---|---|"]
     table += [f"| {n} | {rc} | {s} | {c:.1f} | {t:.1f} |" for n, rc, s, c, t in rows]
     table += ["", "| part | run | steps | steps' s | step 1 s | later steps, median s | their generation, median s |",
-              "|---|---|---|---|---|---|---|", *times]
+              "|---|---|---|---|---|---|---|", *times,
+              "", "| part | " + " | ".join(f"vLLM {k} s" for k in VLLM_PHASES) + " |",
+              "|---|" + "---|" * len(VLLM_PHASES), *engine]
     print("\n".join(table), flush=True)
     (out / "cap32.md").write_text("\n".join(table) + "\n")
     (out / "cap32.json").write_text(json.dumps({**log, "rows": rows}, indent=1))

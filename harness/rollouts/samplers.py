@@ -95,6 +95,21 @@ def vllm_completions(outputs) -> tuple[list[list[int]], list[list[float]]]:
 
 
 _ENGINE: dict = {}  # the one vLLM engine of this process: {"key": ..., "llm": LLM}
+VLLM_SECONDS: dict[str, float] = {}  # where this process's vLLM time went (build, wake, push, generate, sleep), summed
+
+
+@contextlib.contextmanager
+def _timed(phase: str):
+    """Adds the phase's seconds to VLLM_SECONDS once the GPU is done with it (tools/gpu_vllm32.py prints them)."""
+    import time
+
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        VLLM_SECONDS[phase] = VLLM_SECONDS.get(phase, 0.0) + time.perf_counter() - t
 
 
 def vllm_environment() -> None:
@@ -187,7 +202,7 @@ class VLLMSampler:
             vllm_environment()
             from vllm import LLM
 
-            with _launcher_variables(), _random_state_kept():
+            with _launcher_variables(), _random_state_kept(), _timed("build"):
                 # max_model_len None: vLLM takes it from the checkpoint's config, as TRL's vllm_max_model_length
                 llm = LLM(model=str(checkpoint), gpu_memory_utilization=share, max_model_len=None,
                           distributed_executor_backend="external_launcher", seed=spec.SEED,
@@ -209,13 +224,15 @@ class VLLMSampler:
     @torch.no_grad()
     def sync_weights(self, policy) -> None:
         if _ENGINE.get("asleep"):  # sleep level 2 dropped the weights: map them again, then push ours (as TRL)
-            torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["weights"])
+            with _timed("wake"):
+                torch.cuda.empty_cache()
+                self.llm.wake_up(tags=["weights"])
             _ENGINE["asleep"] = False
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, param in policy.named_parameters():  # (a compiled module's names carry a prefix vLLM lacks)
-            model.load_weights([(name.removeprefix("_orig_mod."), param.detach())])
-        self.llm.reset_prefix_cache()
+        with _timed("push"):
+            for name, param in policy.named_parameters():  # (a compiled module's names carry a prefix vLLM lacks)
+                model.load_weights([(name.removeprefix("_orig_mod."), param.detach())])
+            self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
@@ -225,11 +242,14 @@ class VLLMSampler:
                                  logprobs=0, seed=seed) for seed in request_seeds(len(prompt_ids))]
         sleep = self.spec.sampler.vllm_sleep
         if sleep:
-            self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
-                                    use_tqdm=False)
+            with _timed("wake"):
+                self.llm.wake_up(tags=["kv_cache"])
+        with _timed("generate"):
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
+                                        use_tqdm=False)
         if sleep:  # the trainer's step gets the engine's memory back until the next round
-            self.llm.sleep(level=2)
+            with _timed("sleep"):
+                self.llm.sleep(level=2)
             _ENGINE["asleep"] = True
         return vllm_completions(outputs)
 
