@@ -2,7 +2,9 @@
 many steps it would show (issue 28). bf16 autocast runs on a CPU too (slowly): the tiny embedded model in bf16 hides
 Adam's beta2 0.9 against the spec's 0.99 over 6 steps, which float32 shows at step 2."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +221,9 @@ def test_an_explanation_reached_in_bf16_is_checked_in_float32(tmp_path):
     assert found["fix"]["trl"] == {"adam_beta2": 0.9} and found["fix"]["scratch"] == {"STD_EPS": 0.01}, found["fix"]
     assert any(n.startswith("shown in float32 only") and "beta2 0.9" in n for n in found["notes"]), found["notes"]
     assert "checked in float32" in found["evidence"]
+    # the float32 search leaves what your loop's float32 tensors settle (the loss's shape, the advantages): it offers
+    # only what they cannot read (no Probe: the optimizer's fields)
+    rounds = json.loads((Path(doc["cells"][0]["dir"]) / "explain/float32/search/search.json").read_text())["rounds"]
+    offered = {k for r in rounds for t in r["tried"] for k in t["changes"]}
+    assert offered and not offered & {"LOSS_NORM", "ADV_SCALE", "STD", "STD_EPS_INSIDE", "COMPLETION_MASK"}, offered
+    assert "ADAM_BETA2" in offered, offered

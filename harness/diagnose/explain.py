@@ -430,11 +430,35 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     again.escalated_from = {**(search.below_rounding or {"at_step": None}), "agree": state.agree,
                             "found": state.changes, "loop_ignores_dtype": bool(same), "checked": full}
     guess = {k: v for k, v in state.changes.items() if k not in read}
+    again.settled |= float32_settles(data, root, yours, base, read, set(guess), log)
     state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
     again.save()
     data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={},
                                  comparison={}, tensors={}, trained=None)  # (what was the bf16 run's)
     return spec32, again, state32, trace, data32
+
+
+def float32_settles(data, root: Path, yours, base, read: dict, guessed: set, log) -> set[str]:
+    """The fields your loop's own float32 tensors (its run in root/yours) settle at the values the float32 search
+    starts from (`read` over `base`): the stages read again in float32, where rounding hides less than in the bf16
+    run, whose settled fields the float32 search does not trust (their alike candidates may part in float32). A field
+    read there at another value, or one the bf16 answer sets (`guessed`: tried first, and kept only if it helps), is
+    left to the search; nothing when your loop saved no tensors."""
+    from harness.diagnose.cell import your_loop_files
+    from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
+
+    files = your_loop_files(root / "yours", Path(data.folder) / LOOP_ROLLOUTS_FILE)
+    if not files["tensors"] and not files["trained"]:
+        return set()
+    data32 = dataclasses.replace(data, spec=base, folder=root, runs={"yours": yours}, sketches={}, **files)
+    passes = implied_selection(data32)  # several passes over each round, as the bf16 cell was read
+    data32 = dataclasses.replace(data32, trained=passes) if passes else data32
+    fixed, _unsure, settles = identify.settings_of(_identify(data32, base, lambda *_: None))
+    kept = {k for k in settles if k not in guessed
+            and _alike(fixed.get(k, getattr(base, k, None)), read.get(k, getattr(base, k, None)))}
+    if kept:
+        log(f"    explain: in float32 your tensors settle {', '.join(sorted(kept))}: the float32 search leaves them")
+    return kept
 
 
 def settled_by(found: dict | None) -> tuple:
