@@ -224,6 +224,7 @@ def test_an_explanation_reached_in_bf16_is_checked_in_float32(tmp_path):
     # the float32 search leaves what your loop's float32 tensors settle (the loss's shape, the advantages): it offers
     # only what they cannot read (no Probe: the optimizer's fields)
     rounds = json.loads((Path(doc["cells"][0]["dir"]) / "explain/float32/search/search.json").read_text())["rounds"]
-    offered = {k for r in rounds for t in r["tried"] for k in t["changes"]}
-    assert offered and not offered & {"LOSS_NORM", "ADV_SCALE", "STD", "STD_EPS_INSIDE", "COMPLETION_MASK"}, offered
+    offered = {k for r in rounds for t in r.get("tried", []) for k in t["changes"] if k not in r["current"]["changes"]}
+    assert offered and not offered & {"LOSS_NORM", "ADV_SCALE", "STD", "STD_EPS", "STD_EPS_INSIDE", "COMPLETION_MASK"}, \
+        offered
     assert "ADAM_BETA2" in offered, offered

@@ -423,14 +423,14 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     search.warm = None  # the bf16 model: freed before the float32 one loads
     again = Search(base, yours, list(data.records), root / "search", envelope, search.log)
     again.extra = list(search.extra)  # (a stage's candidate, offered in float32 as in bf16)
+    guess = {k: v for k, v in state.changes.items() if k not in read}
+    again.settled |= float32_settles(data, spec32, root, yours, base, read, set(guess), log)
     again.runs, again.seconds = search.runs + 3, search.seconds + time.perf_counter() - t0  # the search's cost
     again.steps_run = search.steps_run + 3 * search.steps
     if search.value_only is not None:  # judged as the bf16 search was (nothing settled: bf16's alike candidates may
         again.without_loss(search.value_only)  # differ in float32)
     again.escalated_from = {**(search.below_rounding or {"at_step": None}), "agree": state.agree,
                             "found": state.changes, "loop_ignores_dtype": bool(same), "checked": full}
-    guess = {k: v for k, v in state.changes.items() if k not in read}
-    again.settled |= float32_settles(data, root, yours, base, read, set(guess), log)
     state32, trace = again.run(read, [guess] if guess else [], guessed_by=f"the {spec.DTYPE} search")
     again.save()
     data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, envelope=envelope, sketches={},
@@ -438,27 +438,36 @@ def in_float32(spec, data, search: Search, state: Trial, read: dict, log=print):
     return spec32, again, state32, trace, data32
 
 
-def float32_settles(data, root: Path, yours, base, read: dict, guessed: set, log) -> set[str]:
-    """The fields your loop's own float32 tensors (its run in root/yours) settle at the values the float32 search
-    starts from (`read` over `base`): the stages read again in float32, where rounding hides less than in the bf16
-    run, whose settled fields the float32 search does not trust (their alike candidates may part in float32). A field
-    read there at another value, or one the bf16 answer sets (`guessed`: tried first, and kept only if it helps), is
-    left to the search; nothing when your loop saved no tensors."""
+def float32_settles(data, spec32, root: Path, yours, base, read: dict, guessed: set, log) -> set[str]:
+    """The fields your loop's own float32 tensors (its run in root/yours, on `spec32`) settle at exactly the values
+    the float32 search starts from (`read` over `base`): the stages read again in float32, where rounding hides less
+    than in the bf16 run, whose settled fields the float32 search does not trust (their alike candidates may part in
+    float32). A field read there at any other value (a beta2 of 0.9999 against 0.999 too), or one the bf16 answer sets
+    (`guessed`: tried first, and kept only if it helps), is left to the search; nothing when your loop saved no
+    tensors. (Its seconds count in the search's cost.)"""
     from harness.diagnose.cell import your_loop_files
     from harness.rollouts.lockstep import LOOP_ROLLOUTS_FILE
 
     files = your_loop_files(root / "yours", Path(data.folder) / LOOP_ROLLOUTS_FILE)
     if not files["tensors"] and not files["trained"]:
         return set()
-    data32 = dataclasses.replace(data, spec=base, folder=root, runs={"yours": yours}, sketches={}, **files)
-    passes = implied_selection(data32)  # several passes over each round, as the bf16 cell was read
+    data32 = dataclasses.replace(data, spec=spec32, folder=root, runs={"yours": yours}, sketches={}, **files)
+    passes = implied_selection(data32)  # several passes over each round, as explain() reads the bf16 cell
     data32 = dataclasses.replace(data32, trained=passes) if passes else data32
     fixed, _unsure, settles = identify.settings_of(_identify(data32, base, lambda *_: None))
     kept = {k for k in settles if k not in guessed
-            and _alike(fixed.get(k, getattr(base, k, None)), read.get(k, getattr(base, k, None)))}
+            and _same_value(fixed.get(k, getattr(base, k, None)), read.get(k, getattr(base, k, None)))}
     if kept:
         log(f"    explain: in float32 your tensors settle {', '.join(sorted(kept))}: the float32 search leaves them")
     return kept
+
+
+def _same_value(a, b) -> bool:
+    """The same setting: equal, a float to its last bits (a value read and one stated may differ in representation
+    only: 1e-06 and 1.0000000000000002e-06)."""
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return math.isclose(a, b, rel_tol=1e-12)
+    return a == b
 
 
 def settled_by(found: dict | None) -> tuple:

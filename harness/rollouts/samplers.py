@@ -100,16 +100,16 @@ VLLM_SECONDS: dict[str, float] = {}  # where this process's vLLM time went (buil
 
 @contextlib.contextmanager
 def _timed(phase: str):
-    """Adds the phase's seconds to VLLM_SECONDS once the GPU is done with it (tools/gpu_vllm32.py prints them)."""
+    """Adds the phase's seconds to VLLM_SECONDS once the GPU is done with it (tools/gpu_vllm32.py prints them). Every
+    run pays one synchronize a phase (a few per round: nothing against a round's generation); a phase that raises
+    is not timed, so that a CUDA error is the one raised."""
     import time
 
     t = time.perf_counter()
-    try:
-        yield
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        VLLM_SECONDS[phase] = VLLM_SECONDS.get(phase, 0.0) + time.perf_counter() - t
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    VLLM_SECONDS[phase] = VLLM_SECONDS.get(phase, 0.0) + time.perf_counter() - t
 
 
 def vllm_environment() -> None:
