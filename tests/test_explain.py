@@ -778,8 +778,9 @@ def test_a_float32_search_after_the_loss_in_value_only_pass_also_judges_without_
 
 def test_the_float32_check_settles_a_field_only_at_exactly_the_value_it_starts_from():
     """A beta2 of 0.9999 read from your float32 tensors is not TRL's 0.999 (2e-3 apart: alike for a fitted rate, not
-    for a setting); a value that differs in its last bits only is the same setting."""
-    from harness.diagnose.explain import _same_value
+    for a setting); a value that differs in its last bits only is the same setting. (`_same`: the search's own
+    comparison of settings, which float32_settles calls.)"""
+    from harness.diagnose.explain import _same as _same_value
 
     assert not _same_value(0.9999, 0.999) and not _same_value(1e-4, 1e-6)
     assert _same_value(1e-6, 1.0000000000000002e-06) and _same_value("sequence", "sequence") and _same_value(1.0, 1)

@@ -104,6 +104,7 @@ def main(out: Path) -> int:
     import torch
 
     from harness.cli import main as cli
+    from harness.rollouts.samplers import VLLM_SECONDS
 
     out.mkdir(parents=True, exist_ok=True)
     card = CardPeak()
@@ -123,8 +124,6 @@ def main(out: Path) -> int:
             if (folder / kind).exists():
                 (out / f"{name}_{kind}").write_bytes((folder / kind).read_bytes())
         times += breakdown(name, folder, rows[-1][2])
-        from harness.rollouts.samplers import VLLM_SECONDS
-
         engine.append(f"| {name} | " + " | ".join(f"{VLLM_SECONDS.pop(k, 0.0):.1f}" for k in VLLM_PHASES) + " |")
         print("\n".join(times[-4:] + engine[-1:]), flush=True)
     card._stop = True

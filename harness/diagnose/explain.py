@@ -41,7 +41,7 @@ from harness.diagnose.fields import toml_value, words
 from harness.diagnose.logged import reward_weights_from_log, settings_from_log
 from harness.diagnose.look_alikes import look_alikes
 from harness.diagnose.preflight import apply_alignment
-from harness.diagnose.search import Search, Trial, one_change, trl_moves
+from harness.diagnose.search import Search, Trial, _same, one_change, trl_moves
 from harness.diagnose.tensordiff import words as tensor_words
 
 # the fields an exactly recomputed tensor settles (where all its alike candidates agree on them): once kept, the
@@ -456,18 +456,10 @@ def float32_settles(data, spec32, root: Path, yours, base, read: dict, guessed: 
     data32 = dataclasses.replace(data32, trained=passes) if passes else data32
     fixed, _unsure, settles = identify.settings_of(_identify(data32, base, lambda *_: None))
     kept = {k for k in settles if k not in guessed
-            and _same_value(fixed.get(k, getattr(base, k, None)), read.get(k, getattr(base, k, None)))}
+            and _same(fixed.get(k, getattr(base, k, None)), read.get(k, getattr(base, k, None)))}
     if kept:
         log(f"    explain: in float32 your tensors settle {', '.join(sorted(kept))}: the float32 search leaves them")
     return kept
-
-
-def _same_value(a, b) -> bool:
-    """The same setting: equal, a float to its last bits (a value read and one stated may differ in representation
-    only: 1e-06 and 1.0000000000000002e-06)."""
-    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
-        return math.isclose(a, b, rel_tol=1e-12)
-    return a == b
 
 
 def settled_by(found: dict | None) -> tuple:
